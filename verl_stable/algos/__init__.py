@@ -1,0 +1,1 @@
+"""Pure-torch algorithm math (no verl import): losses, advantages, importance weights."""

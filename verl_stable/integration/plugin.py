@@ -1,0 +1,58 @@
+"""The ``verl.plugins`` entry point: registers everything verl-stable adds to verl.
+
+verl imports this module from ``import verl`` in every process it starts (driver, task runner, Ray
+workers, rollout servers) and swallows any exception at DEBUG level. So this module never raises: each
+registration step is run in isolation, its outcome is recorded in :data:`STATUS`, and failures are logged
+at WARNING level. ``verl-stable doctor`` reads :data:`STATUS` and fails loudly when a step failed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import traceback
+from dataclasses import dataclass, field
+
+logger = logging.getLogger("verl_stable")
+
+# (step name, module). Each module exposes ``register() -> list[str]`` returning what it registered;
+# ``register`` must be idempotent because several import paths can reach it in one process.
+REGISTRATION_STEPS: tuple[tuple[str, str], ...] = (
+    ("losses", "verl_stable.integration.losses"),
+    ("advantages", "verl_stable.integration.advantages"),
+)
+
+
+@dataclass
+class StepStatus:
+    """Outcome of one registration step."""
+
+    name: str
+    module: str
+    ok: bool
+    registered: list[str] = field(default_factory=list)
+    error: str | None = None
+
+
+STATUS: dict[str, StepStatus] = {}
+
+
+def _run_step(name: str, module_name: str) -> StepStatus:
+    try:
+        module = importlib.import_module(module_name)
+        registered = list(module.register())
+        return StepStatus(name, module_name, True, registered)
+    except Exception as exc:  # noqa: BLE001 - verl would swallow it; we record and report it instead
+        logger.warning("verl-stable: registration step %r (%s) failed: %s", name, module_name, exc)
+        return StepStatus(name, module_name, False, error="".join(traceback.format_exception(exc)))
+
+
+def register_all() -> dict[str, StepStatus]:
+    """Run every registration step (idempotent) and return the status of each."""
+    for name, module_name in REGISTRATION_STEPS:
+        if name not in STATUS or not STATUS[name].ok:
+            STATUS[name] = _run_step(name, module_name)
+    return STATUS
+
+
+register_all()

@@ -1,0 +1,1 @@
+"""Stability metrics (pure functions) and the guard that turns them into verdicts."""
