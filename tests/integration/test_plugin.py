@@ -1,0 +1,51 @@
+"""The entry point: plain `import verl` registers verl-stable everywhere; `doctor` makes failures visible."""
+
+import subprocess
+import sys
+
+import pytest
+
+from verl_stable import cli
+from verl_stable.integration import plugin
+
+
+def test_import_verl_alone_registers_everything():
+    # A fresh interpreter that never imports verl_stable: only verl's entry-point discovery can register us.
+    code = (
+        "import sys, verl\n"
+        "from verl.trainer.ppo import core_algos as ca\n"
+        "assert 'verl_stable.integration.plugin' in sys.modules, 'entry point not loaded'\n"
+        "print(sorted(set(ca.POLICY_LOSS_REGISTRY) & {'minirl', 'vespo'}), 'minirl' in ca.ADV_ESTIMATOR_REGISTRY)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "['minirl', 'vespo'] True"
+
+
+def test_plugin_can_be_disabled_by_verl_policy():
+    code = "import sys, verl; print('verl_stable.integration.plugin' in sys.modules)"
+    env = {"VERL_USE_EXTERNAL_PLUGINS": "none", "PATH": ""}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    assert out.strip() == "False"
+
+
+def test_doctor_passes_on_this_install():
+    lines: list[str] = []
+    assert cli.doctor(out=lines.append) == 0, "\n".join(lines)
+    text = "\n".join(lines)
+    assert "verl         0.9.1" in text
+    assert "[ok ] losses" in text and "minirl" in text
+
+
+def test_doctor_fails_loudly_when_a_step_fails(monkeypatch):
+    monkeypatch.setattr(plugin, "REGISTRATION_STEPS", (*plugin.REGISTRATION_STEPS, ("broken", "verl_stable.no_such")))
+    monkeypatch.setattr(plugin, "STATUS", {})
+    lines: list[str] = []
+    assert cli.doctor(out=lines.append) == 1
+    text = "\n".join(lines)
+    assert "[FAIL] broken" in text
+    assert "No module named 'verl_stable.no_such'" in text
+
+
+def test_cli_rejects_unknown_arguments():
+    with pytest.raises(SystemExit):
+        cli.main(["doctor", "--bogus"])
