@@ -1,0 +1,335 @@
+"""The ``minirl`` / ``vespo`` policy losses inside real verl: registry, ``ppo_loss``, configs, micro-batching."""
+
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import verl  # noqa: F401  (loads the verl.plugins entry point, which registers the losses)
+from verl.trainer.ppo import core_algos
+from verl.trainer.ppo.core_algos import get_policy_loss_fn
+from verl.utils import tensordict_utils as tu
+from verl.utils.metric import Metric
+from verl.workers.config import ActorConfig, PolicyLossConfig
+from verl.workers.utils.losses import ppo_loss
+
+from verl_stable.integration import losses
+from verl_stable.integration.losses import MiniRLLossConfig, StablePolicyLossConfig, VespoLossConfig
+
+EPS_LOW, EPS_HIGH = 0.2, 0.27
+
+
+def actor_config(loss_mode: str, loss_agg_mode: str = "seq-mean-token-sum", **policy_loss) -> ActorConfig:
+    return ActorConfig(
+        strategy="fsdp",
+        rollout_n=4,
+        ppo_micro_batch_size_per_gpu=2,
+        clip_ratio_low=EPS_LOW,
+        clip_ratio_high=EPS_HIGH,
+        loss_agg_mode=loss_agg_mode,
+        policy_loss=StablePolicyLossConfig(loss_mode=loss_mode, **policy_loss),
+    )
+
+
+def ragged_batch(seed: int, batch: int = 8, length: int = 7):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, length + 1, (batch,), generator=g)
+    mask = torch.arange(length)[None, :] < lengths[:, None]
+    mask = mask & ~(torch.rand(batch, length, generator=g) < 0.1)
+    mask[:, 0] = True
+    log_prob = -torch.rand(batch, length, generator=g, dtype=torch.float64) * 3
+    old = log_prob + 0.3 * torch.randn(batch, length, generator=g, dtype=torch.float64)
+    adv = torch.randn(batch, 1, generator=g, dtype=torch.float64).expand(batch, length).clone()
+    weights = torch.rand(batch, length, generator=g, dtype=torch.float64) * 5
+    return log_prob, old, adv, mask, weights
+
+
+def minirl_objective_grad(log_prob, old, adv, mask, weights):
+    r = torch.exp(log_prob - old)
+    masked = ((adv > 0) & (r > 1 + EPS_HIGH)) | ((adv < 0) & (r < 1 - EPS_LOW))
+    return torch.where(mask & ~masked, weights * r * adv, 0.0)
+
+
+def ppo_data(log_prob, old, adv, mask, weights, *, global_tokens, global_batch, prompt_seed=0):
+    """A verl TensorDict for ``ppo_loss`` in padded mode, plus model-output log-probs laid out as verl's engine
+    returns them (one flat, unpadded tensor over prompt + response tokens), differentiable w.r.t. ``log_prob``."""
+    batch, length = log_prob.shape
+    g = torch.Generator().manual_seed(prompt_seed)
+    prompt_width = 3
+    prompt_lens = torch.randint(1, prompt_width + 1, (batch,), generator=g)
+    resp_lens = torch.stack([row.nonzero().max() + 1 for row in mask])
+    attention = torch.zeros(batch, prompt_width + length, dtype=torch.long)
+    pieces = []
+    for i in range(batch):
+        p, n = int(prompt_lens[i]), int(resp_lens[i])
+        attention[i, prompt_width - p : prompt_width + n] = 1
+        # Engine output is shifted by one: position k holds the log-prob of token k + 1.
+        pieces += [log_prob.new_zeros(p - 1), log_prob[i, :n], log_prob.new_zeros(1)]
+    tensors = {
+        "prompts": torch.zeros(batch, prompt_width, dtype=torch.long),
+        "responses": torch.zeros(batch, length, dtype=torch.long),
+        "attention_mask": attention,
+        "response_mask": mask.long(),
+        "old_log_probs": old,
+        "advantages": adv,
+    }
+    if weights is not None:
+        tensors["rollout_is_weights"] = weights
+    data = tu.get_tensordict(
+        tensors, non_tensor_dict={"dp_size": 1, "batch_num_tokens": global_tokens, "global_batch_size": global_batch}
+    )
+    return data, {"log_probs": torch.cat(pieces)}
+
+
+def test_registered_by_import_verl_alone():
+    code = (
+        "import sys, verl\n"
+        "from verl.trainer.ppo.core_algos import get_policy_loss_fn\n"
+        "fns = [get_policy_loss_fn(n) for n in ('minirl', 'vespo')]\n"
+        "print([f.__module__ for f in fns])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "['verl_stable.integration.losses', 'verl_stable.integration.losses']"
+
+
+def test_register_is_idempotent_and_refuses_foreign_functions(monkeypatch):
+    assert losses.register() == ["minirl", "vespo"]
+    assert losses.register() == ["minirl", "vespo"]
+    assert get_policy_loss_fn("minirl") is losses.compute_policy_loss_minirl
+    assert get_policy_loss_fn("vespo") is losses.compute_policy_loss_vespo
+
+    def foreign(**kwargs):
+        raise AssertionError
+
+    monkeypatch.setitem(core_algos.POLICY_LOSS_REGISTRY, "vespo", foreign)
+    with pytest.raises(RuntimeError, match="already registered"):
+        losses.register()
+
+
+@pytest.mark.parametrize("loss_agg_mode", ["seq-mean-token-sum", "token-mean"])
+def test_minirl_gradient_through_registry(loss_agg_mode):
+    log_prob, old, adv, mask, weights = ragged_batch(0)
+    leaf = log_prob.clone().requires_grad_(True)
+    loss, metrics = get_policy_loss_fn("minirl")(
+        old_log_prob=old,
+        log_prob=leaf,
+        advantages=adv,
+        response_mask=mask,
+        loss_agg_mode=loss_agg_mode,
+        config=actor_config("minirl", loss_agg_mode),
+        rollout_is_weights=weights,
+    )
+    loss.backward()
+    divisor = mask.any(-1).sum() if loss_agg_mode == "seq-mean-token-sum" else mask.sum()
+    torch.testing.assert_close(leaf.grad, -minirl_objective_grad(log_prob, old, adv, mask, weights) / divisor)
+    assert 0 < metrics["actor/pg_clipfrac"] < 1
+    assert {"actor/ppo_kl", "actor/minirl/masked_frac_high", "actor/minirl/is_weight_max"} <= set(metrics)
+    assert all(isinstance(v, float) and math.isfinite(v) for v in metrics.values())
+
+
+def test_vespo_gradient_through_registry_with_configured_constants():
+    log_prob, old, adv, mask, weights = ragged_batch(1)
+    old = log_prob + 0.05 * (old - log_prob)  # keep W moderate
+    kernel = VespoLossConfig(c1_pos=1.0, c2_pos=0.5, c1_neg=4.0, c2_neg=1.0)
+    leaf = log_prob.clone().requires_grad_(True)
+    loss, metrics = get_policy_loss_fn("vespo")(
+        old_log_prob=old,
+        log_prob=leaf,
+        advantages=adv,
+        response_mask=mask,
+        loss_agg_mode="seq-mean-token-sum",
+        config=actor_config("vespo", vespo=kernel),
+        rollout_is_weights=weights,
+    )
+    loss.backward()
+    log_w = torch.where(mask, log_prob - old + torch.log(weights), 0.0).sum(-1, keepdim=True).clamp(-20, 20)
+    big_w = torch.exp(log_w)
+    c1 = torch.where(adv > 0, 1.0, 4.0)
+    c2 = torch.where(adv > 0, 0.5, 1.0)
+    phi = big_w**c1 * torch.exp(c2 * (1 - big_w))
+    expected = torch.where(mask, -phi * adv, 0.0) / mask.any(-1).sum()
+    torch.testing.assert_close(leaf.grad, expected)
+    assert {"actor/vespo/w_mean", "actor/vespo/phi_max", "actor/vespo/seq_log_is_mean"} <= set(metrics)
+    assert all(math.isfinite(v) for v in metrics.values())
+
+
+@pytest.mark.parametrize("loss_mode", ["minirl", "vespo"])
+def test_through_verl_ppo_loss_matches_direct_call(loss_mode):
+    log_prob, old, adv, mask, weights = ragged_batch(2)
+    config = actor_config(loss_mode)
+    leaf = log_prob.clone().requires_grad_(True)
+    data, model_output = ppo_data(leaf, old, adv, mask, weights, global_tokens=None, global_batch=None)
+    loss, metrics = ppo_loss(config, model_output, data)
+    loss.backward()
+
+    direct_leaf = log_prob.clone().requires_grad_(True)
+    direct_loss, direct_metrics = get_policy_loss_fn(loss_mode)(
+        old_log_prob=old,
+        log_prob=direct_leaf,
+        advantages=adv,
+        response_mask=mask,
+        loss_agg_mode="seq-mean-token-sum",
+        config=actor_config(loss_mode),
+        rollout_is_weights=weights,
+    )
+    direct_loss.backward()
+    torch.testing.assert_close(loss, direct_loss)
+    torch.testing.assert_close(leaf.grad, direct_leaf.grad)
+    assert isinstance(metrics["actor/pg_loss"], Metric)
+    for key, value in direct_metrics.items():
+        assert metrics[key].aggregate() == pytest.approx(value)
+
+
+@pytest.mark.parametrize("loss_mode", ["minirl", "vespo"])
+@pytest.mark.parametrize("loss_agg_mode", ["seq-mean-token-sum", "token-mean", "seq-mean-token-mean"])
+def test_micro_batching_invariance_through_ppo_loss(loss_mode, loss_agg_mode):
+    log_prob, old, adv, mask, weights = ragged_batch(3, batch=9)
+    global_tokens, global_batch = int(mask.sum()), mask.shape[0]
+
+    def grad_of(rows_list):
+        config = actor_config(loss_mode, loss_agg_mode)
+        leaf = log_prob.clone().requires_grad_(True)
+        for rows in rows_list:
+            sl = slice(*rows)
+            data, out = ppo_data(
+                leaf[sl],
+                old[sl],
+                adv[sl],
+                mask[sl],
+                weights[sl],
+                global_tokens=global_tokens,
+                global_batch=global_batch,
+            )
+            loss, _ = ppo_loss(config, out, data)
+            loss.backward()
+        return leaf.grad
+
+    full = grad_of([(0, 9)])
+    split = grad_of([(0, 2), (2, 7), (7, 9)])
+    torch.testing.assert_close(split, full)
+    assert full.abs().sum() > 0
+
+
+def test_minirl_missing_weights_error_and_explicit_opt_out():
+    log_prob, old, adv, mask, _ = ragged_batch(4)
+    kwargs = dict(old_log_prob=old, advantages=adv, response_mask=mask, loss_agg_mode="seq-mean-token-sum")
+    with pytest.raises(ValueError, match=r"rollout_is=token.*rollout_is_threshold=5\.0.*allow_missing_rollout_is"):
+        get_policy_loss_fn("minirl")(log_prob=log_prob, config=actor_config("minirl"), **kwargs)
+    # Plain verl PolicyLossConfig: paper defaults, so missing weights still raise.
+    plain = ActorConfig(
+        strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, policy_loss=PolicyLossConfig(loss_mode="minirl")
+    )
+    with pytest.raises(ValueError, match="rollout_is_weights=None"):
+        get_policy_loss_fn("minirl")(log_prob=log_prob, config=plain, **kwargs)
+
+    opted_out = actor_config("minirl", minirl=MiniRLLossConfig(allow_missing_rollout_is_weights=True))
+    a = log_prob.clone().requires_grad_(True)
+    get_policy_loss_fn("minirl")(log_prob=a, config=opted_out, **kwargs)[0].backward()
+    b = log_prob.clone().requires_grad_(True)
+    get_policy_loss_fn("minirl")(
+        log_prob=b, config=actor_config("minirl"), rollout_is_weights=torch.ones_like(old), **kwargs
+    )[0].backward()
+    torch.testing.assert_close(a.grad, b.grad)
+
+    # Through ppo_loss, a batch without the rollout_is_weights field.
+    data, out = ppo_data(log_prob, old, adv, mask, None, global_tokens=None, global_batch=None)
+    with pytest.raises(ValueError, match="rollout_is=token"):
+        ppo_loss(actor_config("minirl"), out, data)
+    loss, _ = ppo_loss(opted_out, out, data)
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("loss_mode", ["minirl", "vespo"])
+@pytest.mark.parametrize("loss_agg_mode", ["seq-mean-token-sum", "token-mean", "seq-mean-token-mean", "token-sum"])
+def test_all_zero_mask_gives_zero_loss_and_zero_grads(loss_mode, loss_agg_mode):
+    log_prob, old, adv, mask, weights = ragged_batch(5)
+    leaf = log_prob.clone().requires_grad_(True)
+    loss, metrics = get_policy_loss_fn(loss_mode)(
+        old_log_prob=old,
+        log_prob=leaf,
+        advantages=adv,
+        response_mask=torch.zeros_like(mask),
+        loss_agg_mode=loss_agg_mode,
+        config=actor_config(loss_mode, loss_agg_mode),
+        rollout_is_weights=weights,
+    )
+    loss.backward()
+    assert loss.item() == 0.0
+    assert (leaf.grad == 0).all()
+    assert all(math.isfinite(v) for v in metrics.values())
+
+
+@pytest.mark.parametrize("loss_mode", ["minirl", "vespo"])
+def test_bad_input_through_registry(loss_mode):
+    log_prob, old, adv, mask, weights = ragged_batch(6)
+    fn = get_policy_loss_fn(loss_mode)
+    config = actor_config(loss_mode)
+    bad = log_prob.clone()
+    bad[mask.nonzero()[:3].T.unbind()] = float("nan")
+    with pytest.raises(ValueError, match="log_prob: 3 position"):
+        fn(
+            old_log_prob=old,
+            log_prob=bad,
+            advantages=adv,
+            response_mask=mask,
+            config=config,
+            rollout_is_weights=weights,
+        )
+    with pytest.raises(ValueError, match="shape mismatch"):
+        fn(
+            old_log_prob=old[:-1],
+            log_prob=log_prob,
+            advantages=adv,
+            response_mask=mask,
+            config=config,
+            rollout_is_weights=weights,
+        )
+    with pytest.raises(ValueError, match="needs the actor config"):
+        fn(old_log_prob=old, log_prob=log_prob, advantages=adv, response_mask=mask, rollout_is_weights=weights)
+    # NaN only at masked positions: a finite loss.
+    dirty = log_prob.clone()
+    dirty[~mask] = float("nan")
+    loss, _ = fn(
+        old_log_prob=old, log_prob=dirty, advantages=adv, response_mask=mask, config=config, rollout_is_weights=weights
+    )
+    assert torch.isfinite(loss)
+
+
+def test_hydra_config_from_verl_yaml_reaches_the_loss():
+    from hydra import compose, initialize_config_dir
+    from verl.utils.config import omega_conf_to_dataclass
+
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    overrides = [
+        "actor_rollout_ref.actor.policy_loss.loss_mode=vespo",
+        "actor_rollout_ref.actor.policy_loss._target_=verl_stable.integration.losses.StablePolicyLossConfig",
+        "+actor_rollout_ref.actor.policy_loss.vespo.c1_pos=1.5",
+        "+actor_rollout_ref.actor.policy_loss.minirl.allow_missing_rollout_is_weights=true",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    ]
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=overrides)
+        bad = compose(
+            config_name="ppo_trainer", overrides=[*overrides, "+actor_rollout_ref.actor.policy_loss.vespo.c9=1"]
+        )
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert isinstance(actor.policy_loss, StablePolicyLossConfig)
+    assert actor.policy_loss.vespo == VespoLossConfig(c1_pos=1.5)
+    assert actor.policy_loss.minirl.allow_missing_rollout_is_weights is True
+    with pytest.raises(Exception, match=r"unknown key\(s\) \[.c9.\] in policy_loss.vespo"):
+        omega_conf_to_dataclass(bad.actor_rollout_ref.actor)
+
+    log_prob, old, adv, mask, _ = ragged_batch(7)
+    loss, metrics = get_policy_loss_fn("minirl")(
+        old_log_prob=old,
+        log_prob=log_prob,
+        advantages=adv,
+        response_mask=mask,
+        loss_agg_mode=actor.loss_agg_mode,
+        config=actor,
+    )
+    assert torch.isfinite(loss) and metrics["actor/minirl/is_weight_mean"] == 1.0
+    assert np.isclose(actor.clip_ratio_high, 0.2)  # verl's own default is untouched
