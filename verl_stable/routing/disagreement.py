@@ -1,0 +1,55 @@
+"""Routing disagreement between two traces of the same tokens.
+
+For tokens ``n`` and MoE layers ``l`` with routing data in both traces, a decision differs when the expert *sets*
+differ: ``d[n, l] = 1[set(a[n, l]) != set(b[n, l])]`` (order of the top-k columns is ignored). Reported:
+
+* ``per_layer[l] = sum_n d[n, l] / #compared rows of layer l``
+* ``overall = sum_{n,l} d[n, l] / #compared (token, layer) rows``
+* ``token_any_layer = #tokens with d[n, l] = 1 for some l / #tokens compared in at least one layer``
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from verl_stable.routing.trace import RoutingTrace, RoutingTraceError
+
+
+def expert_sets_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``[..., K]`` integer ids -> ``[...]`` bool, True where the two id sets differ (order-insensitive)."""
+    if a.shape != b.shape:
+        raise RoutingTraceError(f"routing shapes differ: expected {tuple(a.shape)}, received {tuple(b.shape)}")
+    return (a.sort(dim=-1).values != b.sort(dim=-1).values).any(dim=-1)
+
+
+def routing_disagreement(a: RoutingTrace, b: RoutingTrace) -> dict[str, Any]:
+    """Fraction of (token, MoE layer) decisions whose expert sets differ between two traces.
+
+    Args:
+        a: reference trace.
+        b: trace of the same tokens (same N, L, K and expert count).
+
+    Returns:
+        ``{"per_layer": list[float], "overall": float, "token_any_layer": float, "compared_rows": int,
+        "tokens": int}``; rows missing in either trace are excluded from numerators and denominators.
+    """
+    a.check_compatible(b)
+    if a.num_tokens != b.num_tokens:
+        raise RoutingTraceError(
+            f"traces cover different token counts: expected {a.num_tokens}, received {b.num_tokens}"
+        )
+    both = a.valid_mask() & b.valid_mask()
+    differ = expert_sets_differ(a.ids.to(torch.long), b.ids.to(torch.long)) & both
+    compared_per_layer = both.sum(dim=0)
+    per_layer = (differ.sum(dim=0).double() / compared_per_layer.clamp_min(1).double()).tolist()
+    compared = int(both.sum())
+    tokens = int(both.any(dim=1).sum())
+    return {
+        "per_layer": per_layer,
+        "overall": float(differ.sum()) / max(compared, 1),
+        "token_any_layer": float(differ.any(dim=1).sum()) / max(tokens, 1),
+        "compared_rows": compared,
+        "tokens": tokens,
+    }

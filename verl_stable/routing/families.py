@@ -1,0 +1,444 @@
+"""Per-family facts about Hugging Face MoE routing: where the top-k choice is made and how gate weights are formed.
+
+Each supported ``model_type`` has one declarative :class:`FamilySpec`. Two kinds of routing *site* exist in
+transformers 5.10:
+
+* ``router_output``: a router module returns ``(router_logits, top_k_weights, top_k_index)`` (Qwen, Mixtral,
+  OLMoE, GPT-OSS). The site is the router module; the live differentiable tensor is ``router_logits``.
+* ``route_method``: the MoE block's ``route_tokens_to_experts(router_logits) -> (top_k_index, top_k_weights)``
+  makes the choice (DeepSeek-V3, GLM-4.5 MoE: sigmoid scores, a selection-only bias, group-limited top-k).
+  The site is the block; the live tensor is the fp32 ``router_logits`` argument.
+
+``gate_weights(site, live, ids)`` recomputes the family's gate weights at given expert ids from the live tensor,
+with the family's own normalisation and scaling, so that replaying the model's own ids reproduces its output
+bit for bit and gradients reach the router:
+
+* softmax families: ``w = softmax(z)[ids]``, divided by ``sum_k w`` when the router renormalises.
+* Mixtral: as above, always renormalised, left in fp32.
+* GPT-OSS: ``w = softmax(z[ids])`` over the k selected logits.
+* sigmoid families: ``w = sigmoid(z)[ids] / (sum_k sigmoid(z)[ids] + 1e-20) * routed_scaling_factor`` (the
+  correction bias only affects which experts are chosen, never the weights).
+
+Adding a family is one ``FamilySpec`` entry in ``_SPECS``. Routing is indexed by absolute decoder layer at engine
+boundaries and by MoE-layer ordinal inside a RoutingTrace; ``RoutingLayout.moe_layers`` is the mapping.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from verl_stable.routing.trace import RoutingLayout
+
+ROUTER_OUTPUT = "router_output"
+ROUTE_METHOD = "route_method"
+
+GateWeights = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+MoeLayers = Callable[[Any], tuple[int, ...]]
+
+
+class UnsupportedModelError(ValueError):
+    """The model's routing cannot be captured or replayed (unknown family, replaced MoE block, ...)."""
+
+
+# ----------------------------------------------------------------------------------------- gate weights
+def softmax_gate_weights(site: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Qwen / OLMoE: ``p = softmax_fp32(z)``; ``w = p[ids]``, renormalised if ``norm_topk_prob``; cast to z's dtype."""
+    w = F.softmax(logits, dtype=torch.float, dim=-1).gather(-1, ids)
+    if getattr(site, "norm_topk_prob", True):
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w.to(logits.dtype)
+
+
+def mixtral_gate_weights(site: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Mixtral: ``w = softmax(float(z))[ids] / sum_k``, kept in fp32."""
+    w = F.softmax(logits.float(), dim=-1).gather(-1, ids)
+    return w / w.sum(dim=-1, keepdim=True)
+
+
+def gpt_oss_gate_weights(site: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS: softmax over the selected logits only, ``w = softmax(z[ids])``."""
+    selected = logits.gather(-1, ids)
+    return F.softmax(selected, dim=1, dtype=selected.dtype)
+
+
+def sigmoid_gate_weights(site: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3 / GLM-4.5: ``s = sigmoid(z)``; ``w = s[ids] / (sum_k s[ids] + 1e-20) * routed_scaling_factor``."""
+    w = logits.sigmoid().gather(1, ids)
+    if site.norm_topk_prob:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * site.routed_scaling_factor
+
+
+# ------------------------------------------------------------------------------------- MoE layer rules
+def every_layer(config: Any) -> tuple[int, ...]:
+    """Every decoder layer is MoE."""
+    return tuple(range(config.num_hidden_layers))
+
+
+def qwen_sparse_layers(config: Any) -> tuple[int, ...]:
+    """Qwen2/3-MoE: MoE unless in ``mlp_only_layers``, every ``decoder_sparse_step``-th layer, if experts > 0."""
+    only_dense = set(getattr(config, "mlp_only_layers", None) or ())
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+    if int(getattr(config, "num_experts", 0) or 0) <= 0:
+        return ()
+    return tuple(i for i in range(config.num_hidden_layers) if i not in only_dense and (i + 1) % step == 0)
+
+
+def after_first_k_dense(config: Any) -> tuple[int, ...]:
+    """DeepSeek-V3 / GLM-4.5: dense below ``first_k_dense_replace``, MoE from there on."""
+    return tuple(range(int(getattr(config, "first_k_dense_replace", 0) or 0), config.num_hidden_layers))
+
+
+# -------------------------------------------------------------------------------------------- specs
+@dataclass(frozen=True)
+class FamilySpec:
+    """Declarative description of one MoE family's routing.
+
+    Attributes:
+        name: family name (the canonical model_type).
+        model_types: every ``config.model_type`` served by this entry.
+        site_kind: ``ROUTER_OUTPUT`` or ``ROUTE_METHOD`` (see module docstring).
+        site_class: class name of the patched module (router, or MoE block for ROUTE_METHOD).
+        num_experts_attr: text-config attribute holding the routed expert count.
+        moe_layers: config -> absolute decoder indices of the MoE layers.
+        gate_weights: ``(site, live, ids[T, K]) -> weights[T, K]`` from the live differentiable tensor.
+        top_k_attr: text-config attribute holding top-k.
+        kernel_block_class: MoE block class that a hub kernel may replace whole (bypassing the router).
+        notes: caveats shown by ``describe_model_routing``.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    site_kind: str
+    site_class: str
+    num_experts_attr: str
+    moe_layers: MoeLayers
+    gate_weights: GateWeights
+    top_k_attr: str = "num_experts_per_tok"
+    kernel_block_class: str | None = None
+    notes: tuple[str, ...] = ()
+
+
+_SPECS: tuple[FamilySpec, ...] = (
+    FamilySpec(
+        name="qwen3_moe",
+        model_types=("qwen3_moe",),
+        site_kind=ROUTER_OUTPUT,
+        site_class="Qwen3MoeTopKRouter",
+        num_experts_attr="num_experts",
+        moe_layers=qwen_sparse_layers,
+        gate_weights=softmax_gate_weights,
+    ),
+    FamilySpec(
+        name="qwen3_5_moe",
+        model_types=("qwen3_5_moe", "qwen3_5_moe_text"),
+        site_kind=ROUTER_OUTPUT,
+        site_class="Qwen3_5MoeTopKRouter",
+        num_experts_attr="num_experts",
+        moe_layers=every_layer,
+        gate_weights=softmax_gate_weights,
+        notes=("hybrid attention (Gated DeltaNet + full attention); every decoder layer is MoE",),
+    ),
+    FamilySpec(
+        name="qwen2_moe",
+        model_types=("qwen2_moe",),
+        site_kind=ROUTER_OUTPUT,
+        site_class="Qwen2MoeTopKRouter",
+        num_experts_attr="num_experts",
+        moe_layers=qwen_sparse_layers,
+        gate_weights=softmax_gate_weights,
+        notes=("the shared expert and its sigmoid gate are not routed and are left untouched",),
+    ),
+    FamilySpec(
+        name="mixtral",
+        model_types=("mixtral",),
+        site_kind=ROUTER_OUTPUT,
+        site_class="MixtralTopKRouter",
+        num_experts_attr="num_local_experts",
+        moe_layers=every_layer,
+        gate_weights=mixtral_gate_weights,
+        notes=(
+            "router_jitter_noise > 0 makes training-mode routing random: replay still forces the ids, "
+            "gate weights come from the jittered router logits",
+        ),
+    ),
+    FamilySpec(
+        name="olmoe",
+        model_types=("olmoe",),
+        site_kind=ROUTER_OUTPUT,
+        site_class="OlmoeTopKRouter",
+        num_experts_attr="num_experts",
+        moe_layers=every_layer,
+        gate_weights=softmax_gate_weights,
+    ),
+    FamilySpec(
+        name="deepseek_v3",
+        model_types=("deepseek_v3",),
+        site_kind=ROUTE_METHOD,
+        site_class="DeepseekV3MoE",
+        num_experts_attr="n_routed_experts",
+        moe_layers=after_first_k_dense,
+        gate_weights=sigmoid_gate_weights,
+        notes=("sigmoid scores; e_score_correction_bias and group-limited top-k only affect selection",),
+    ),
+    FamilySpec(
+        name="glm4_moe",
+        model_types=("glm4_moe",),
+        site_kind=ROUTE_METHOD,
+        site_class="Glm4MoeMoE",
+        num_experts_attr="n_routed_experts",
+        moe_layers=after_first_k_dense,
+        gate_weights=sigmoid_gate_weights,
+        notes=("sigmoid scores; e_score_correction_bias and group-limited top-k only affect selection",),
+    ),
+    FamilySpec(
+        name="gpt_oss",
+        model_types=("gpt_oss",),
+        site_kind=ROUTER_OUTPUT,
+        site_class="GptOssTopKRouter",
+        num_experts_attr="num_local_experts",
+        moe_layers=every_layer,
+        gate_weights=gpt_oss_gate_weights,
+        kernel_block_class="GptOssMLP",
+        notes=("load without hub kernels (use_kernels=False): the MegaBlocksMoeMLP kernel bypasses the router",),
+    ),
+)
+
+FAMILIES: dict[str, FamilySpec] = {mt: spec for spec in _SPECS for mt in spec.model_types}
+SUPPORTED_FAMILIES: tuple[str, ...] = tuple(spec.name for spec in _SPECS)
+
+
+def _supported_text() -> str:
+    return ", ".join(sorted(FAMILIES))
+
+
+def text_config(config: Any) -> Any:
+    """The decoder (text) sub-config of a possibly multimodal config."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def family_for(config: Any) -> FamilySpec:
+    """The FamilySpec for a config; raises UnsupportedModelError listing the supported model types."""
+    candidates = [getattr(config, "model_type", None), getattr(text_config(config), "model_type", None)]
+    for model_type in candidates:
+        if model_type in FAMILIES:
+            return FAMILIES[model_type]
+    raise UnsupportedModelError(
+        f"routing capture/replay does not support model_type {candidates[0]!r}; supported model types: "
+        f"{_supported_text()}"
+    )
+
+
+def layout_from_config(config: Any) -> RoutingLayout:
+    """The RoutingLayout a config implies (raises UnsupportedModelError for unknown or expert-less models)."""
+    spec = family_for(config)
+    text = text_config(config)
+    num_experts = int(getattr(text, spec.num_experts_attr, 0) or 0)
+    top_k = int(getattr(text, spec.top_k_attr, 0) or 0)
+    moe_layers = spec.moe_layers(text)
+    if num_experts <= 0 or top_k <= 0 or not moe_layers:
+        raise UnsupportedModelError(
+            f"{config.model_type} config has no routed experts ({spec.num_experts_attr}={num_experts}, "
+            f"{spec.top_k_attr}={top_k}, MoE layers={list(moe_layers)}); nothing to capture or replay"
+        )
+    if top_k > num_experts:
+        raise UnsupportedModelError(f"{spec.top_k_attr}={top_k} exceeds {spec.num_experts_attr}={num_experts}")
+    return RoutingLayout(
+        family=spec.name,
+        model_type=str(getattr(config, "model_type", spec.name)),
+        num_hidden_layers=int(text.num_hidden_layers),
+        moe_layers=tuple(moe_layers),
+        top_k=top_k,
+        num_experts=num_experts,
+    )
+
+
+# --------------------------------------------------------------------------------------- model binding
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class RoutingSite:
+    """One MoE layer's patch point.
+
+    Attributes:
+        ordinal: MoE-layer ordinal (index into a trace's layer dimension).
+        layer: absolute decoder-layer index.
+        name: qualified module name of the site.
+        module: the router (ROUTER_OUTPUT) or MoE block (ROUTE_METHOD).
+    """
+
+    ordinal: int
+    layer: int
+    name: str
+    module: nn.Module
+
+
+@dataclass(frozen=True)
+class ModelRouting:
+    """A model bound to its family: layout plus the per-layer routing sites in MoE-ordinal order."""
+
+    spec: FamilySpec
+    layout: RoutingLayout
+    sites: tuple[RoutingSite, ...]
+
+
+def _find_config(model: nn.Module) -> Any:
+    config = getattr(model, "config", None)
+    if config is not None:
+        return config
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "model_type"):
+            return config
+    raise UnsupportedModelError(
+        f"{type(model).__name__} has no Hugging Face config; pass a transformers MoE model "
+        f"(supported model types: {_supported_text()})"
+    )
+
+
+def _check_block_not_replaced(model: nn.Module, spec: FamilySpec, block_name: str, block: nn.Module) -> None:
+    if "forward" in vars(block):
+        raise UnsupportedModelError(
+            f"the MoE block {block_name} ({type(block).__name__}) has an instance-level forward (a hub kernel or "
+            "another patch replaced it); routing would bypass the patched router. Load the model without kernels."
+        )
+    if spec.kernel_block_class is None:
+        return
+    if type(block).__name__ != spec.kernel_block_class:
+        raise UnsupportedModelError(
+            f"{spec.name}: expected the MoE block {block_name} to be {spec.kernel_block_class}, found "
+            f"{type(block).__name__} (replaced by a hub kernel?); routing cannot be captured or replayed"
+        )
+    if getattr(model, "use_kernels", False) and hasattr(type(block), "kernel_layer_name"):
+        raise UnsupportedModelError(
+            f"{spec.name}: the model was kernelized (use_kernels=True) and {spec.kernel_block_class} is replaced "
+            f"by the hub kernel {type(block).kernel_layer_name!r}, which computes routing inside the kernel; "
+            "reload with use_kernels=False to capture or replay routing"
+        )
+
+
+def bind_model(model: nn.Module, config: Any | None = None) -> ModelRouting:
+    """Find every routing site of ``model`` and check it against the layout its config implies.
+
+    Args:
+        model: a transformers MoE model (any wrapper whose submodule names contain ``layers.<i>.``).
+        config: override for the model's config.
+
+    Raises:
+        UnsupportedModelError: unknown family, sites not matching the config's MoE layers, replaced MoE blocks.
+    """
+    config = _find_config(model) if config is None else config
+    spec = family_for(config)
+    layout = layout_from_config(config)
+    modules = dict(model.named_modules())
+    found: dict[int, tuple[str, nn.Module]] = {}
+    for name, module in modules.items():
+        if type(module).__name__ != spec.site_class:
+            continue
+        # the innermost "layers.<i>." names the decoder layer (outer ones may be wrappers or towers)
+        matches = list(_LAYER_RE.finditer(name + "."))
+        if not matches:
+            raise UnsupportedModelError(f"cannot tell the decoder layer of routing module {name!r}")
+        layer = int(matches[-1].group(1))
+        if layer in found:
+            raise UnsupportedModelError(
+                f"two routing modules claim decoder layer {layer}: {found[layer][0]!r} and {name!r}"
+            )
+        found[layer] = (name, module)
+    if tuple(sorted(found)) != layout.moe_layers:
+        raise UnsupportedModelError(
+            f"{spec.name}: the config implies MoE layers {list(layout.moe_layers)} but the model has "
+            f"{spec.site_class} modules at layers {sorted(found)}"
+        )
+    sites = []
+    for ordinal, layer in enumerate(layout.moe_layers):
+        name, module = found[layer]
+        block_name = name.rsplit(".", 1)[0] if spec.site_kind == ROUTER_OUTPUT else name
+        _check_block_not_replaced(model, spec, block_name, modules.get(block_name, module))
+        sites.append(RoutingSite(ordinal=ordinal, layer=layer, name=name, module=module))
+    return ModelRouting(spec=spec, layout=layout, sites=tuple(sites))
+
+
+# -------------------------------------------------------------------------------------------- doctor
+def describe_model_routing(config_or_path: Any) -> dict[str, Any]:
+    """Answer "can this checkpoint's routing be captured and replayed?".
+
+    Args:
+        config_or_path: a transformers config, a dict with ``model_type``, a local checkpoint directory (or its
+            ``config.json``), or an instantiated model (then its modules are checked too).
+
+    Returns:
+        A report dict: ``replayable`` (bool), ``reason`` (why not, or None), ``family``, ``model_type``,
+        ``num_hidden_layers``, ``moe_layers`` (absolute indices), ``dense_layers``, ``top_k``, ``num_experts``,
+        ``trace_dtype``, ``bytes_per_token`` and ``notes``. ``format_routing_report`` renders it.
+    """
+    report: dict[str, Any] = {"replayable": False, "reason": None, "model_type": None, "notes": []}
+    try:
+        model = config_or_path if isinstance(config_or_path, nn.Module) else None
+        config = _load_config(config_or_path) if model is None else _find_config(model)
+        report["model_type"] = getattr(config, "model_type", None)
+        layout = layout_from_config(config)
+        if model is not None:
+            layout = bind_model(model, config).layout
+    except (UnsupportedModelError, OSError, ValueError) as exc:
+        report["reason"] = str(exc)
+        return report
+    spec = family_for(config)
+    report.update(
+        replayable=True,
+        family=layout.family,
+        num_hidden_layers=layout.num_hidden_layers,
+        moe_layers=list(layout.moe_layers),
+        dense_layers=[i for i in range(layout.num_hidden_layers) if i not in set(layout.moe_layers)],
+        top_k=layout.top_k,
+        num_experts=layout.num_experts,
+        trace_dtype=str(layout.trace_dtype).removeprefix("torch."),
+        bytes_per_token=layout.bytes_per_token,
+        notes=list(spec.notes),
+    )
+    return report
+
+
+def _load_config(source: Any) -> Any:
+    if isinstance(source, dict):
+        from transformers import AutoConfig
+
+        if "model_type" not in source:
+            raise UnsupportedModelError("config dict has no 'model_type'")
+        kwargs = {k: v for k, v in source.items() if k != "model_type"}
+        return AutoConfig.for_model(source["model_type"], **kwargs)
+    if isinstance(source, (str, Path)):
+        from transformers import AutoConfig
+
+        path = Path(source)
+        if path.is_file():
+            path = path.parent
+        if not (path / "config.json").is_file():
+            raise UnsupportedModelError(f"no config.json under {str(source)!r}")
+        return AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+    return source
+
+
+def format_routing_report(report: dict[str, Any]) -> str:
+    """Human-readable lines for ``verl-stable doctor --model``."""
+    if not report["replayable"]:
+        return f"routing replay: NOT supported ({report['reason']})"
+    lines = [
+        f"routing replay: supported (family {report['family']}, model_type {report['model_type']})",
+        f"  MoE layers: {len(report['moe_layers'])} of {report['num_hidden_layers']} decoder layers "
+        f"(dense: {report['dense_layers'] or 'none'})",
+        f"  top_k {report['top_k']} of {report['num_experts']} experts; trace dtype {report['trace_dtype']}, "
+        f"{report['bytes_per_token']} bytes/token",
+    ]
+    lines += [f"  note: {note}" for note in report["notes"]]
+    return "\n".join(lines)
