@@ -89,16 +89,13 @@ def _check_cpu_runtime(out: Callable[[str], None]) -> list[str]:
 
 
 def _check_model(model: str, out: Callable[[str], None]) -> list[str]:
-    from verl_stable.routing.families import describe_model_routing
+    from verl_stable.routing.families import describe_model_routing, format_routing_report
 
-    try:
-        report = describe_model_routing(model)
-    except Exception as exc:  # noqa: BLE001 - any failure here is the answer to "can it be replayed?"
-        return [f"routing of {model} cannot be replayed: {exc}"]
-    out(f"  routing of {model}:")
-    for key, value in (report.items() if isinstance(report, dict) else [("report", report)]):
-        out(f"    {key}: {value}")
-    return []
+    report = describe_model_routing(model)
+    out(f"  {model}:")
+    for line in format_routing_report(report).splitlines():
+        out(f"    {line}")
+    return [] if report["replayable"] else [f"routing of {model} cannot be replayed: {report['reason']}"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

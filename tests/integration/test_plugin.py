@@ -49,3 +49,38 @@ def test_doctor_fails_loudly_when_a_step_fails(monkeypatch):
 def test_cli_rejects_unknown_arguments():
     with pytest.raises(SystemExit):
         cli.main(["doctor", "--bogus"])
+
+
+def test_doctor_model_reports_replayable_checkpoint(tmp_path):
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=8,
+        num_experts_per_tok=2,
+        mlp_only_layers=[1],
+    ).save_pretrained(tmp_path)
+    lines: list[str] = []
+    assert cli.doctor(model=str(tmp_path), out=lines.append) == 0, "\n".join(lines)
+    text = "\n".join(lines)
+    assert "routing replay: supported (family qwen3_moe" in text
+    assert "MoE layers: 2 of 3 decoder layers (dense: [1])" in text
+
+
+def test_doctor_model_fails_for_dense_or_unknown_model(tmp_path):
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
+    ).save_pretrained(tmp_path)
+    lines: list[str] = []
+    assert cli.doctor(model=str(tmp_path), out=lines.append) == 1
+    text = "\n".join(lines)
+    assert "routing replay: NOT supported" in text and "llama" in text
