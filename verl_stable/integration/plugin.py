@@ -20,6 +20,7 @@ logger = logging.getLogger("verl_stable")
 REGISTRATION_STEPS: tuple[tuple[str, str], ...] = (
     ("losses", "verl_stable.integration.losses"),
     ("advantages", "verl_stable.integration.advantages"),
+    ("trainer", "verl_stable.integration.trainer"),
 )
 
 
