@@ -98,18 +98,26 @@ def _check_model(model: str, out: Callable[[str], None]) -> list[str]:
     return [] if report["replayable"] else [f"routing of {model} cannot be replayed: {report['reason']}"]
 
 
+# Subcommands that own their argument parsing: (module, help).
+_DELEGATED = {
+    "run": ("verl_stable.cpu.launch", "run verl's own trainer (main_ppo) on CPU with tiny local assets"),
+    "recipe": ("verl_stable.recipes", "list, show, check or run the verl-stable recipes"),
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _DELEGATED:
+        module = importlib.import_module(_DELEGATED[argv[0]][0])
+        return module.main(argv[1:])
     parser = argparse.ArgumentParser(prog="verl-stable", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p_doc = sub.add_parser("doctor", help="versions, registrations and contracts with the installed verl")
     p_doc.add_argument("--model", help="a HF checkpoint dir: can its MoE routing be captured and replayed?")
-    args, rest = parser.parse_known_args(argv)
-    if args.command == "doctor":
-        if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        return doctor(model=args.model)
-    parser.error(f"unknown command {args.command}")
-    return 2
+    for name, (_, help_text) in _DELEGATED.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    args = parser.parse_args(argv)
+    return doctor(model=args.model)
 
 
 if __name__ == "__main__":

@@ -84,3 +84,9 @@ def test_doctor_model_fails_for_dense_or_unknown_model(tmp_path):
     assert cli.doctor(model=str(tmp_path), out=lines.append) == 1
     text = "\n".join(lines)
     assert "routing replay: NOT supported" in text and "llama" in text
+
+
+def test_cli_delegates_recipe_subcommand(capsys):
+    assert cli.main(["recipe", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "fsdp/minirl_n4_r3" in out and "replay=R3" in out
