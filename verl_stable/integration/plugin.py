@@ -21,6 +21,7 @@ REGISTRATION_STEPS: tuple[tuple[str, str], ...] = (
     ("losses", "verl_stable.integration.losses"),
     ("advantages", "verl_stable.integration.advantages"),
     ("trainer", "verl_stable.integration.trainer"),
+    ("fsdp_router_replay", "verl_stable.integration.fsdp_engine"),
 )
 
 

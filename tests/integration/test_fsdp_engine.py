@@ -1,0 +1,560 @@
+"""R2 / R3 router replay in verl's FSDP engine, on CPU, through verl's own engine code paths.
+
+The engine under test is ``FSDPEngineWithLMHeadReplay`` (verl's ``FSDPEngineWithLMHead`` + our mixin) built without
+FSDP sharding (a bare instance holding a tiny random Qwen3-MoE with a dense middle layer), on the project's CPU
+platform and a one-rank gloo group: ``forward_backward_batch`` -> ``prepare_micro_batches`` -> ``forward_step`` ->
+``prepare_model_inputs`` / ``prepare_model_outputs`` are verl's real code. References are independent: verl's base
+engine run inside the routing library's own ``capture`` / ``replay`` (which place rows by concatenation or by the
+attention mask, not by our alignment code), gradients of the natural model, and hand-built routing tables.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from contextlib import contextmanager, nullcontext
+
+import pytest
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from verl.plugin.platform import platform_manager
+from verl.utils import tensordict_utils as tu
+from verl.utils import torch_functional as verl_F
+from verl.workers.config import EngineRouterReplayConfig, FSDPEngineConfig
+from verl.workers.engine.base import EngineRegistry
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+from verl_stable.cpu.platform import platform_class
+from verl_stable.integration import fsdp_engine as fe
+from verl_stable.integration.fsdp_engine import ReplayAction, RouterReplayError, replay_action
+from verl_stable.routing import RoutingTrace, capture, replay
+
+NUM_LAYERS, MOE_LAYERS, EXPERTS, TOPK = 3, (0, 2), 8, 2
+LENGTHS = [5, 7, 3, 6]
+
+
+# ----------------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module", autouse=True)
+def cpu_runtime(tmp_path_factory):
+    """verl's device helpers on the CPU platform and a one-rank gloo WORLD, restored afterwards."""
+    previous = platform_manager._current_platform
+    platform_manager._current_platform = platform_class()()
+    created = not dist.is_initialized()
+    if created:
+        store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if created:
+            dist.destroy_process_group()
+        platform_manager._current_platform = previous
+
+
+def _model(seed: int = 0) -> Qwen3MoeForCausalLM:
+    config = Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOPK,
+        mlp_only_layers=[1],
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(config).eval()
+
+
+def _engine(model, cls=None, mode="R3", forward_only_engine=False, pad_to_length=False):
+    """An engine instance with exactly the state verl's FSDPEngine.__init__ / initialize give it, minus FSDP."""
+    cls = fe.engine_class() if cls is None else cls
+    engine = cls.__new__(cls)
+    engine.module = model
+    engine.engine_config = FSDPEngineConfig(
+        router_replay=EngineRouterReplayConfig(mode=mode), forward_only=forward_only_engine, use_torch_compile=False
+    )
+    engine.use_remove_padding = True
+    engine.ulysses_device_mesh = None
+    engine.ulysses_sequence_parallel_size = 1
+    engine.use_ulysses_sp = False
+    engine.pad_to_length = pad_to_length
+    engine.pad_to_length_bucket = 8
+    engine._autocast_dtype = torch.float32
+    engine.scaler = None
+    engine.compute_entropy_from_logits = verl_F.entropy_from_logits
+    if isinstance(engine, fe.RouterReplayMixin):
+        engine._init_router_replay(engine.engine_config)
+        engine._bind_routing(strict=mode != "disabled" and not forward_only_engine)
+    return engine
+
+
+def _random_routing(num_tokens: int, seed: int) -> torch.Tensor:
+    """[tokens, num_hidden_layers, K] distinct random experts in MoE layers, zero rows in the dense layer."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.zeros(num_tokens, NUM_LAYERS, TOPK, dtype=torch.int16)
+    for layer in MOE_LAYERS:
+        rows[:, layer] = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOPK] for _ in range(num_tokens)]).to(
+            torch.int16
+        )
+    return rows
+
+
+def _batch(lengths=LENGTHS, routed=None, *, remove_padding=True, micro=2, dynamic=False, seed=0) -> TensorDict:
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    input_ids = torch.nested.nested_tensor_from_jagged(torch.randint(1, 64, (total,), generator=gen), offsets=offsets)
+    position_ids = torch.nested.nested_tensor_from_jagged(torch.cat([torch.arange(n) for n in lengths]), offsets)
+    loss_mask = torch.nested.nested_tensor_from_jagged(torch.ones(total, dtype=torch.int64), offsets)
+    fields = {"input_ids": input_ids, "position_ids": position_ids, "loss_mask": loss_mask}
+    if routed is not None:
+        fields["routed_experts"] = torch.nested.nested_tensor_from_jagged(routed, offsets)
+    td = TensorDict(fields, batch_size=[len(lengths)])
+    tu.assign_non_tensor(
+        td,
+        use_remove_padding=remove_padding,
+        temperature=1.0,
+        pad_token_id=0,
+        use_dynamic_bsz=dynamic,
+        micro_batch_size_per_gpu=micro,
+        max_token_len_per_gpu=12,
+        return_model_output=True,
+    )
+    return td
+
+
+def _sum_logp_loss(model_output, data, dp_group=None):
+    loss = -model_output["log_probs"].values().sum()
+    return loss, {}
+
+
+def _run(engine, data, forward_only=True, loss=None):
+    out = engine.forward_backward_batch(data, loss_function=loss, forward_only=forward_only)
+    return out["model_output"], out["metrics"]
+
+
+def _metric(metrics, name):
+    values = metrics[fe.METRIC_PREFIX + name]
+    return values if isinstance(values, list) else [values]
+
+
+def _packed_trace(routed: torch.Tensor) -> RoutingTrace:
+    """The MoE-layer trace of packed rows (zero rows = no data), built without the alignment module."""
+    ids = routed[:, list(MOE_LAYERS)].to(torch.long)
+    zero = (ids == 0).all(dim=-1, keepdim=True)
+    return RoutingTrace.from_tensor(ids.masked_fill(zero, -1), num_experts=EXPERTS)
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+# ----------------------------------------------------------------------------------------------- decisions
+@pytest.mark.parametrize(
+    ("mode", "forward_only", "engine_forward_only", "reference", "has_routing", "flag", "expected"),
+    [
+        ("R2", True, False, False, False, None, ReplayAction.RECORD),  # pi_old pass
+        ("R2", False, False, False, True, None, ReplayAction.REPLAY),  # update mini-steps
+        ("R3", True, False, False, True, None, ReplayAction.REPLAY),
+        ("R3", False, False, False, True, None, ReplayAction.REPLAY),
+        ("R3", True, True, False, True, None, ReplayAction.NONE),  # the reference engine never replays
+        ("R2", True, True, False, True, None, ReplayAction.NONE),
+        ("R3", True, False, True, True, None, ReplayAction.NONE),  # LoRA actor computing the reference
+        ("R3", True, False, False, True, False, ReplayAction.NONE),  # verl's worker flag says no
+        ("disabled", True, False, False, False, None, ReplayAction.NONE),
+        ("disabled", False, False, False, True, None, ReplayAction.OBSERVE),
+        ("disabled", True, True, False, True, None, ReplayAction.NONE),
+    ],
+)
+def test_replay_action_table(mode, forward_only, engine_forward_only, reference, has_routing, flag, expected):
+    action = replay_action(
+        mode,
+        forward_only=forward_only,
+        engine_forward_only=engine_forward_only,
+        reference_pass=reference,
+        batch_has_routing=has_routing,
+        worker_flag=flag,
+    )
+    assert action is expected
+
+
+def test_replay_action_rejects_unknown_mode():
+    with pytest.raises(ValueError, match="router_replay.mode must be one of"):
+        replay_action("R4", forward_only=True, engine_forward_only=False, reference_pass=False, batch_has_routing=True)
+
+
+# ----------------------------------------------------------------------------------------------- R2 record
+@pytest.mark.parametrize("remove_padding", [True, False])
+def test_r2_record_returns_the_models_own_routing_and_leaves_log_probs_unchanged(remove_padding):
+    model = _model()
+    data = _batch(remove_padding=remove_padding, micro=2)
+    base = _engine(model, cls=FSDPEngineWithLMHead)
+    with capture(model, use_attention_mask=True) as rec:
+        ref_out, _ = _run(base, _batch(remove_padding=remove_padding, micro=2))
+    out, metrics = _run(_engine(model, mode="R2"), data)
+
+    assert torch.equal(out["log_probs"].values(), ref_out["log_probs"].values())
+    routed = out["routed_experts"]
+    assert routed.dtype == torch.int16 and routed.is_nested
+    assert torch.equal(routed.offsets(), data["input_ids"].offsets())
+    values = routed.values()
+    assert values.shape == (sum(LENGTHS), NUM_LAYERS, TOPK)
+    assert not values[:, 1].any(), "the dense decoder layer must hold zero rows"
+    # The library, told where the valid tokens are by verl's own model inputs, saw the same routing.
+    assert torch.equal(values[:, list(MOE_LAYERS)].to(torch.long), rec.trace.to_tensor())
+    assert _metric(metrics, "recorded_rows") == [2.0 * n for n in (12, 9)]
+
+
+def test_r2_recorded_routing_follows_its_sample_through_dynamic_micro_batches():
+    model = _model()
+    fixed, _ = _run(_engine(model, mode="R2"), _batch(micro=1))
+    dynamic, _ = _run(_engine(model, mode="R2"), _batch(dynamic=True))
+    for a, b in zip(fixed["routed_experts"].unbind(), dynamic["routed_experts"].unbind(), strict=True):
+        assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------------------------- replay
+def test_r3_forces_the_rollout_routing_in_compute_log_prob():
+    model = _model()
+    routed = _random_routing(sum(LENGTHS), seed=1)
+    out, metrics = _run(_engine(model, mode="R3"), _batch(routed=routed, micro=4))
+    base = _engine(model, cls=FSDPEngineWithLMHead)
+    with replay(model, _packed_trace(routed)):
+        ref_out, _ = _run(base, _batch(micro=4))
+    natural, _ = _run(base, _batch(micro=4))
+
+    assert torch.equal(out["log_probs"].values(), ref_out["log_probs"].values())
+    assert not torch.equal(out["log_probs"].values(), natural["log_probs"].values())
+    assert _metric(metrics, "disagreement") == [0.0]
+    assert _metric(metrics, "router_disagreement")[0] > 0.5  # random routing vs the router's own choice
+    assert _metric(metrics, "replayed_rows") == [sum(LENGTHS) * len(MOE_LAYERS)]
+    assert _metric(metrics, "missing_rows") == [0.0]
+    assert "routed_experts" not in out
+
+
+def test_r3_padded_layout_matches_the_library_placing_rows_by_attention_mask():
+    model = _model()
+    routed = _random_routing(sum(LENGTHS), seed=2)
+    out, metrics = _run(_engine(model, mode="R3"), _batch(routed=routed, remove_padding=False, micro=4))
+    with replay(model, _packed_trace(routed)):
+        ref_out, _ = _run(_engine(model, cls=FSDPEngineWithLMHead), _batch(remove_padding=False, micro=4))
+    assert torch.equal(out["log_probs"].values(), ref_out["log_probs"].values())
+    assert _metric(metrics, "disagreement") == [0.0]
+    assert _metric(metrics, "padding_rows") == [(4 * 7 - sum(LENGTHS)) * len(MOE_LAYERS)]
+
+
+def test_r3_with_pad_to_length_keeps_pad_rows_on_the_models_routing():
+    model = _model()
+    routed = _random_routing(sum(LENGTHS), seed=3)
+    out, metrics = _run(_engine(model, mode="R3", pad_to_length=True), _batch(routed=routed, micro=4))
+    with replay(model, _packed_trace(routed)):
+        ref_out, _ = _run(_engine(model, cls=FSDPEngineWithLMHead), _batch(micro=4))
+    assert torch.allclose(out["log_probs"].values(), ref_out["log_probs"].values(), atol=1e-6)
+    assert _metric(metrics, "padding_rows") == [(24 - 21) * len(MOE_LAYERS)]
+    assert _metric(metrics, "disagreement") == [0.0]
+
+
+def test_rows_without_data_keep_the_models_routing_and_are_counted():
+    model = _model()
+    routed = _random_routing(sum(LENGTHS), seed=4)
+    last = torch.tensor(LENGTHS).cumsum(0) - 1
+    routed[last] = 0  # the rollout engine has no row for the last sampled token
+    out, metrics = _run(_engine(model, mode="R3"), _batch(routed=routed, micro=4))
+    # Reference: the library replaying the same rows, the zero rows marked missing (-1) by hand.
+    with replay(model, _packed_trace(routed)) as rp:
+        ref_out, _ = _run(_engine(model, cls=FSDPEngineWithLMHead), _batch(micro=4))
+    assert rp.stats.missing_rows == len(LENGTHS) * len(MOE_LAYERS)
+    assert torch.equal(out["log_probs"].values(), ref_out["log_probs"].values())
+    assert _metric(metrics, "missing_rows") == [len(LENGTHS) * len(MOE_LAYERS)]
+    assert _metric(metrics, "replayed_rows") == [(sum(LENGTHS) - len(LENGTHS)) * len(MOE_LAYERS)]
+    assert _metric(metrics, "disagreement") == [0.0]
+
+
+def test_r2_update_replays_pi_old_routing_bit_for_bit_with_router_gradients():
+    # Natural update vs R2 update replaying the pi_old routing recorded on the same weights: identical loss and
+    # identical gradients, router included (gate weights recomputed from the live logits).
+    model = _model()
+    recorded, _ = _run(_engine(model, mode="R2"), _batch(micro=2))
+    model.zero_grad()
+    natural, _ = _run(_engine(model, cls=FSDPEngineWithLMHead), _batch(micro=2), False, _sum_logp_loss)
+    natural_grads = _grads(model)
+    model.zero_grad()
+    data = _batch(routed=recorded["routed_experts"].values(), micro=2)
+    replayed, metrics = _run(_engine(model, mode="R2"), data, False, _sum_logp_loss)
+    grads = _grads(model)
+    assert torch.equal(replayed["log_probs"].values(), natural["log_probs"].values())
+    router = "model.layers.0.mlp.gate.weight"
+    assert grads[router].abs().sum() > 0
+    assert natural_grads.keys() == grads.keys()
+    for name in grads:
+        assert torch.equal(grads[name], natural_grads[name]), name
+    assert _metric(metrics, "disagreement") == [0.0, 0.0]
+    assert _metric(metrics, "router_disagreement") == [0.0, 0.0]
+
+
+def test_r2_padded_update_with_other_micro_batches_replays_the_same_rows():
+    # The e2e layout: pi_old recorded on one big padded micro-batch, updates on smaller padded micro-batches.
+    model = _model()
+    recorded, _ = _run(_engine(model, mode="R2"), _batch(remove_padding=False, micro=4))
+    data = _batch(routed=recorded["routed_experts"].values(), remove_padding=False, micro=1)
+    natural, _ = _run(_engine(model, cls=FSDPEngineWithLMHead), _batch(remove_padding=False, micro=1))
+    out, metrics = _run(_engine(model, mode="R2"), data, False, _sum_logp_loss)
+    assert _metric(metrics, "disagreement") == [0.0] * 4
+    assert _metric(metrics, "router_disagreement") == [0.0] * 4  # same weights: pi_old's routing is the router's
+    assert _metric(metrics, "padding_rows") == [0.0] * 4  # one sample per micro-batch: no pad rows
+    assert torch.allclose(out["log_probs"].values(), natural["log_probs"].values(), atol=1e-6)
+
+
+def test_replay_survives_gradient_checkpointing_recompute():
+    routed = _random_routing(sum(LENGTHS), seed=5)
+    grads = []
+    for checkpointing in (False, True):
+        model = _model()
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _run(_engine(model, mode="R3"), _batch(routed=routed, micro=2), False, _sum_logp_loss)
+        grads.append(_grads(model))
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        assert torch.allclose(grads[0][name], grads[1][name], atol=1e-6), name
+
+
+# ----------------------------------------------------------------------------------------------- never replay
+def test_reference_engine_and_reference_pass_never_replay():
+    model = _model()
+    routed = _random_routing(sum(LENGTHS), seed=6)
+    natural, _ = _run(_engine(model, cls=FSDPEngineWithLMHead), _batch(micro=4))
+    ref_engine = _engine(model, mode="R3", forward_only_engine=True)
+    out, metrics = _run(ref_engine, _batch(routed=routed, micro=4))
+    assert torch.equal(out["log_probs"].values(), natural["log_probs"].values())
+    assert not any(k.startswith(fe.METRIC_PREFIX) for k in metrics)
+
+    actor = _engine(model, mode="R3")
+    with actor._reference_scope(nullcontext()):
+        out, metrics = _run(actor, _batch(routed=routed, micro=4))
+    assert torch.equal(out["log_probs"].values(), natural["log_probs"].values())
+    assert not any(k.startswith(fe.METRIC_PREFIX) for k in metrics)
+
+
+def test_disabled_is_verls_engine_and_only_observes_when_routing_is_present():
+    model = _model()
+    natural, natural_metrics = _run(_engine(model, cls=FSDPEngineWithLMHead), _batch(micro=2))
+    out, metrics = _run(_engine(model, mode="disabled"), _batch(micro=2))
+    assert torch.equal(out["log_probs"].values(), natural["log_probs"].values())
+    assert metrics == natural_metrics and set(out.keys()) == set(natural.keys())
+
+    routed = _random_routing(sum(LENGTHS), seed=7)
+    out, metrics = _run(_engine(model, mode="disabled"), _batch(routed=routed, micro=2))
+    assert torch.equal(out["log_probs"].values(), natural["log_probs"].values())
+    assert min(_metric(metrics, "disagreement")) > 0.5
+    assert _metric(metrics, "disagreement") == _metric(metrics, "router_disagreement")
+
+
+# ----------------------------------------------------------------------------------------------- errors
+def test_replay_without_routing_names_the_missing_switch():
+    engine = _engine(_model(), mode="R3")
+    with pytest.raises(RouterReplayError, match="enable_rollout_routing_replay=True"):
+        _run(engine, _batch(micro=2))
+    r2 = _engine(_model(), mode="R2")
+    with pytest.raises(RouterReplayError, match="bypass_mode"):
+        _run(r2, _batch(micro=2), False, _sum_logp_loss)
+
+
+def test_bad_routing_shapes_raise_with_expected_and_received():
+    engine = _engine(_model(), mode="R3")
+    moe_only = _random_routing(sum(LENGTHS), seed=8)[:, list(MOE_LAYERS)]
+    with pytest.raises(RouterReplayError, match=r"\[2 layers, top_k 2\].*\[3 decoder layers, top_k 2\]"):
+        _run(engine, _batch(routed=moe_only, micro=2))
+    out_of_range = _random_routing(sum(LENGTHS), seed=8)
+    out_of_range[0, 0] = torch.tensor([EXPERTS, 1], dtype=torch.int16)
+    with pytest.raises(ValueError, match="expert id 8 out of range"):
+        _run(engine, _batch(routed=out_of_range, micro=2))
+    data = _batch(routed=_random_routing(sum(LENGTHS), seed=8), micro=2)
+    shifted = torch.tensor([0, 6, 12, 15, 21])
+    data["routed_experts"] = torch.nested.nested_tensor_from_jagged(data["routed_experts"].values(), shifted)
+    with pytest.raises(
+        RouterReplayError, match=r"rows per sample \[6, 6\] do not match the input_ids lengths \[5, 7\]"
+    ):
+        _run(engine, data)
+    assert engine._replay_pass is None, "a failed pass must remove its hooks"
+
+
+def test_replay_on_a_dense_model_fails_at_bind_time():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    dense = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+        )
+    )
+    with pytest.raises(RouterReplayError, match="needs a Hugging Face MoE model"):
+        _engine(dense, mode="R3")
+    _engine(dense, mode="disabled")  # disabled never requires a MoE model
+
+
+# ----------------------------------------------------------------------------------------------- registration
+@contextmanager
+def _engine_env(device: str, vendor: str):
+    saved = {k: os.environ.get(k) for k in ("VERL_ENGINE_DEVICE", "VERL_ENGINE_VENDOR")}
+    os.environ["VERL_ENGINE_DEVICE"], os.environ["VERL_ENGINE_VENDOR"] = device, vendor
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def test_register_selects_the_replay_engine_for_cuda_and_cpu_without_touching_verls_keys():
+    first = fe.register()
+    assert fe.register() == first  # idempotent
+    cls = fe.engine_class()
+    for device, vendor in (("cuda", "nvidia"), ("cuda", "amd"), ("cpu", "cpu")):
+        with _engine_env(device, vendor):
+            for backend in ("fsdp", "fsdp2"):
+                assert EngineRegistry.get_engine_cls("language_model", backend) is cls
+    assert EngineRegistry._engines["language_model"]["fsdp"]["cuda"] is FSDPEngineWithLMHead
+    with _engine_env("cuda", "nvidia"):
+        assert EngineRegistry.get_engine_cls("value_model", "fsdp") is not cls
+
+
+def test_register_refuses_a_key_held_by_another_engine():
+    table = EngineRegistry._engines["language_model"]["fsdp"]
+    saved = table[("cpu", "cpu")]
+    table[("cpu", "cpu")] = FSDPEngineWithLMHead
+    try:
+        with pytest.raises(RuntimeError, match="already held by"):
+            fe.register_engine()
+    finally:
+        table[("cpu", "cpu")] = saved
+
+
+def test_deferred_registration_runs_right_after_the_target_package_is_imported(tmp_path, monkeypatch):
+    package = tmp_path / "fake_verl_engines"
+    package.mkdir()
+    (package / "__init__.py").write_text("LOADED = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    hook = fe._RegisterAfterImport(lambda: seen.append(sys.modules["fake_verl_engines"].LOADED), "fake_verl_engines")
+    sys.meta_path.insert(0, hook)
+    try:
+        import fake_verl_engines  # noqa: F401
+
+        assert seen == [True]
+        assert hook not in sys.meta_path, "the hook removes itself once it fired"
+    finally:
+        if hook in sys.meta_path:
+            sys.meta_path.remove(hook)
+        sys.modules.pop("fake_verl_engines", None)
+
+
+@pytest.mark.e2e
+def test_plugin_registration_is_deferred_until_verl_imports_its_engines():
+    code = (
+        "import sys, verl\n"
+        "from verl_stable.integration import fsdp_engine as fe\n"
+        "print(fe.register()[0].endswith('(on import of verl.workers.engine)'))\n"
+        "print('verl.workers.engine' in sys.modules)\n"
+        "from verl.workers.engine import EngineRegistry\n"
+        "print(EngineRegistry._engines['language_model']['fsdp2'][('cpu', 'cpu')].__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "False", "FSDPEngineWithLMHeadReplay"]
+
+
+# ----------------------------------------------------------------------------------------------- end to end
+# verl's real trainer (main_ppo, V1) on the CPU runtime with the ``hf`` rollout exporting routing. Slow: e2e.
+E2E_AUTOREG = """\
+from verl_stable.cpu import runtime
+from verl_stable.integration import fsdp_engine
+
+runtime.register()
+fsdp_engine.register()
+"""
+
+
+@pytest.fixture(scope="module")
+def e2e_assets(tmp_path_factory):
+    from verl_stable.lab.assets import AssetSpec, ensure_assets
+
+    return ensure_assets(tmp_path_factory.mktemp("assets"), AssetSpec(task="copy"))
+
+
+@pytest.fixture
+def e2e_registration(tmp_path, monkeypatch):
+    from verl_stable.integration import plugin
+
+    steps = {module for _, module in plugin.REGISTRATION_STEPS}
+    if {"verl_stable.integration.fsdp_engine", "verl_stable.cpu.runtime"} <= steps:
+        return
+    (tmp_path / "stable_autoreg_replay.py").write_text(E2E_AUTOREG)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *sys.path]))
+    extra = os.environ.get("VERL_USE_EXTERNAL_MODULES", "")
+    monkeypatch.setenv("VERL_USE_EXTERNAL_MODULES", ",".join(filter(None, [extra, "stable_autoreg_replay"])))
+
+
+def _e2e_run(assets, workdir, mode: str, *extra: str, routing_capture: bool = True):
+    from verl_stable.cpu import launch
+
+    overrides = launch.cpu_overrides(
+        assets, steps=2, precision="bf16", routing_capture=routing_capture, metrics_logger=("file",)
+    )
+    overrides += [
+        f"trainer.default_local_dir={workdir / 'checkpoints'}",
+        f"+actor_rollout_ref.actor.fsdp_config.router_replay.mode={mode}",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",  # two update mini-steps per step
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",  # two micro-batches per mini-step
+        *extra,
+    ]
+    proc = launch.run_main_ppo(overrides, workdir, timeout_s=1500)
+    log = (workdir / "main_ppo.log").read_text()
+    assert proc.returncode == 0, log[-4000:]
+    return launch.read_metrics(workdir / "metrics.jsonl")
+
+
+def _actor_metric(row, name):
+    return row[f"actor/{fe.METRIC_PREFIX}{name}"]
+
+
+@pytest.mark.e2e
+def test_e2e_r3_replays_the_rollout_routing_with_zero_disagreement(e2e_assets, tmp_path, e2e_registration):
+    rows = _e2e_run(e2e_assets, tmp_path / "r3", "R3")
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert _actor_metric(row, "disagreement") == 0.0  # every update mini-step used the rollout's experts
+        assert _actor_metric(row, "replayed_rows") > 0
+        assert _actor_metric(row, "router_disagreement") > 0.0  # what bf16 rollout vs fp32 training would change
+
+
+@pytest.mark.e2e
+def test_e2e_r2_updates_replay_the_old_log_prob_routing(e2e_assets, tmp_path, e2e_registration):
+    rows = _e2e_run(e2e_assets, tmp_path / "r2", "R2", routing_capture=False)
+    for row in rows:
+        assert _actor_metric(row, "disagreement") == 0.0  # updates used pi_old's recorded experts
+        assert _actor_metric(row, "replayed_rows") > 0
+        assert _actor_metric(row, "missing_rows") == 0.0  # pi_old recorded every token
+
+
+@pytest.mark.e2e
+def test_e2e_disabled_shows_the_precision_mismatch(e2e_assets, tmp_path, e2e_registration):
+    rows = _e2e_run(e2e_assets, tmp_path / "off", "disabled")
+    for row in rows:
+        assert _actor_metric(row, "disagreement") > 0.0  # bf16 rollout routed differently from fp32 training
+        assert f"actor/{fe.METRIC_PREFIX}replayed_rows" not in row

@@ -1,0 +1,313 @@
+"""Row alignment between per-sample routing and the token rows an MoE router sees in a micro-batch.
+
+A routing row is the top-k expert choice of one token: ``[layers, top_k]``. verl keeps routing per sample,
+one row per valid token (prompt + response, padding removed), in the same order as ``input_ids``. Inside a
+micro-batch the model does not see that layout; the router of every MoE layer sees ``hidden.view(-1, h)``,
+i.e. the model input flattened row-major. verl builds that input in one of three ways, and these pure
+functions apply the same rule to routing rows:
+
+* padded (``use_remove_padding=False``): samples are right-padded to the longest one, ``[B, S_max]``;
+  router row ``b * S_max + t`` is token ``t`` of sample ``b`` when ``t < len_b`` and a pad token otherwise;
+* packed (``use_remove_padding=True``): the valid tokens of all samples concatenated, ``cu_seqlens`` marking
+  the boundaries, followed by ``static_pad`` pad tokens (``pad_to_length`` buckets);
+* Ulysses sequence parallel (packed, ``sp > 1``): the packed sequence is right-padded to a multiple of ``sp``
+  and rank ``r`` sees rows ``[r * n / sp, (r + 1) * n / sp)`` of it.
+
+Rows that hold no routing (pad tokens, tokens the rollout engine did not record) are carried as a boolean
+``has_data`` mask next to the ids; a consumer must route them with the model's own router, never with an
+invented expert. The left/right padded batch layout of verl's legacy trainer is converted to the packed one
+by :func:`unpad_rows` exactly like ``verl.workers.utils.padding.left_right_2_no_padding`` does for
+``input_ids``.
+
+Layer axis: rollout engines and verl's ``routed_experts`` index routing by absolute decoder layer over all
+``num_hidden_layers`` (dense layers hold zero rows); :func:`select_layers` / :func:`scatter_layers` convert
+between that and the MoE-layer ordinal used inside a routing trace.
+
+Everything here is pure torch and never imports verl.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "AlignedRows",
+    "padded_layout",
+    "packed_layout",
+    "ulysses_shard",
+    "unshard_ulysses",
+    "unpad_rows",
+    "rows_from_padded_layout",
+    "rows_with_data",
+    "select_layers",
+    "scatter_layers",
+    "lengths_from_cu_seqlens",
+]
+
+
+@dataclass(frozen=True)
+class AlignedRows:
+    """Routing rows in the order a router sees tokens, and which of them hold routing.
+
+    Attributes:
+        ids: ``[N, L, K]`` integer expert ids, row ``n`` is the ``n``-th token row the router sees. Rows
+            without data hold zeros.
+        has_data: ``[N]`` bool, False where the row has no routing (pad token or unrecorded token).
+    """
+
+    ids: torch.Tensor
+    has_data: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.ids.dim() != 3:
+            raise ValueError(f"AlignedRows.ids must be [rows, layers, top_k], got shape {tuple(self.ids.shape)}")
+        if self.has_data.shape != self.ids.shape[:1] or self.has_data.dtype != torch.bool:
+            raise ValueError(
+                f"AlignedRows.has_data must be a bool [{self.ids.shape[0]}] mask, got "
+                f"{self.has_data.dtype} {tuple(self.has_data.shape)}"
+            )
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.ids.shape[0])
+
+    @property
+    def num_missing(self) -> int:
+        """Rows without routing data (they keep the model's own routing when replayed)."""
+        return int((~self.has_data).sum().item())
+
+    def token_rows(self) -> torch.Tensor:
+        """``[num rows with data, L, K]``: the ids of the rows that hold data, in router order."""
+        return self.ids[self.has_data]
+
+
+def _check_rows(rows: torch.Tensor, name: str = "rows") -> None:
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(rows).__name__}")
+    if rows.dim() != 3:
+        raise ValueError(f"{name} must be [tokens, layers, top_k], got shape {tuple(rows.shape)}")
+    if rows.dtype.is_floating_point or rows.dtype == torch.bool or rows.is_complex():
+        raise TypeError(f"{name} must hold integer expert ids, got dtype {rows.dtype}")
+
+
+def _check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must be a 1-D tensor [batch + 1], got shape {tuple(cu_seqlens.shape)}")
+    cu = cu_seqlens.to(device="cpu", dtype=torch.long)
+    if int(cu[0]) != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {int(cu[0])}")
+    if bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {cu.tolist()}")
+    if int(cu[-1]) != total:
+        raise ValueError(
+            f"cu_seqlens ends at {int(cu[-1])} tokens but the routing holds {total} rows: the routing rows do "
+            "not belong to this micro-batch's input_ids"
+        )
+    return cu
+
+
+def lengths_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Per-sample lengths ``len_b = cu[b + 1] - cu[b]`` as a CPU LongTensor."""
+    cu = cu_seqlens.to(device="cpu", dtype=torch.long)
+    return cu[1:] - cu[:-1]
+
+
+def _default_has_data(rows: torch.Tensor, has_data: torch.Tensor | None) -> torch.Tensor:
+    if has_data is None:
+        return torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
+    if has_data.shape != rows.shape[:1]:
+        raise ValueError(f"has_data must be [{rows.shape[0]}], got {tuple(has_data.shape)}")
+    return has_data.to(device=rows.device, dtype=torch.bool)
+
+
+def _append_missing(rows: AlignedRows, count: int) -> AlignedRows:
+    if count < 0:
+        raise ValueError(f"pad size must be >= 0, got {count}")
+    if count == 0:
+        return rows
+    ids = torch.cat([rows.ids, rows.ids.new_zeros((count, *rows.ids.shape[1:]))])
+    has_data = torch.cat([rows.has_data, rows.has_data.new_zeros(count)])
+    return AlignedRows(ids, has_data)
+
+
+def packed_layout(
+    rows: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    static_pad: int = 0,
+    has_data: torch.Tensor | None = None,
+) -> AlignedRows:
+    """Rows of a padding-removed (packed) micro-batch: all valid tokens, then ``static_pad`` pad rows.
+
+    Args:
+        rows: ``[total_nnz, L, K]`` routing of the micro-batch's valid tokens, sample after sample.
+        cu_seqlens: ``[B + 1]`` sample boundaries of ``rows`` (``input_ids.offsets()``); only checked.
+        static_pad: pad tokens verl appends to the packed sequence (``pad_to_length``), before any Ulysses pad.
+        has_data: optional ``[total_nnz]`` mask of rows that hold routing (default: all).
+
+    Returns:
+        ``AlignedRows`` of ``total_nnz + static_pad`` rows.
+    """
+    _check_rows(rows)
+    _check_cu_seqlens(cu_seqlens, rows.shape[0])
+    return _append_missing(AlignedRows(rows, _default_has_data(rows, has_data)), static_pad)
+
+
+def ulysses_shard(rows: AlignedRows, sp_size: int, sp_rank: int) -> tuple[AlignedRows, int]:
+    """The rows Ulysses rank ``sp_rank`` of ``sp_size`` sees of a packed sequence.
+
+    The packed sequence of ``n`` rows is right-padded with ``p = (sp - n mod sp) mod sp`` rows, then split in
+    ``sp`` contiguous chunks of ``(n + p) / sp`` rows; rank ``r`` gets chunk ``r``.
+
+    Returns:
+        (the rank's rows, ``p``), ``p`` being the number of pad rows appended to the global sequence.
+    """
+    if sp_size < 1:
+        raise ValueError(f"sp_size must be >= 1, got {sp_size}")
+    if not 0 <= sp_rank < sp_size:
+        raise ValueError(f"sp_rank must be in [0, {sp_size}), got {sp_rank}")
+    if sp_size == 1:
+        return rows, 0
+    pad = (sp_size - rows.num_rows % sp_size) % sp_size
+    padded = _append_missing(rows, pad)
+    chunk = padded.num_rows // sp_size
+    window = slice(sp_rank * chunk, (sp_rank + 1) * chunk)
+    return AlignedRows(padded.ids[window], padded.has_data[window]), pad
+
+
+def unshard_ulysses(shards: Sequence[torch.Tensor], pad: int) -> torch.Tensor:
+    """Inverse of :func:`ulysses_shard` for per-rank tensors: concatenate ranks, drop the ``pad`` tail rows."""
+    if not shards:
+        raise ValueError("unshard_ulysses needs at least one shard")
+    sizes = {int(s.shape[0]) for s in shards}
+    if len(sizes) != 1:
+        raise ValueError(f"every Ulysses shard must have the same number of rows, got {sorted(sizes)}")
+    full = torch.cat(list(shards))
+    if not 0 <= pad <= full.shape[0]:
+        raise ValueError(f"pad must be in [0, {full.shape[0]}], got {pad}")
+    return full[: full.shape[0] - pad]
+
+
+def padded_layout(
+    rows: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seq_len: int | None = None,
+    has_data: torch.Tensor | None = None,
+) -> AlignedRows:
+    """Rows of a right-padded micro-batch ``[B, S_max]`` flattened row-major (``use_remove_padding=False``).
+
+    Router row ``b * S_max + t`` is packed row ``cu[b] + t`` when ``t < len_b``, a pad row otherwise.
+
+    Args:
+        rows: ``[total_nnz, L, K]`` routing of the valid tokens, sample after sample.
+        cu_seqlens: ``[B + 1]`` sample boundaries of ``rows``.
+        max_seq_len: padded width ``S_max`` (default: the longest sample, as verl's FSDP engine uses).
+        has_data: optional ``[total_nnz]`` mask of rows that hold routing (default: all).
+    """
+    _check_rows(rows)
+    cu = _check_cu_seqlens(cu_seqlens, rows.shape[0])
+    lengths = cu[1:] - cu[:-1]
+    batch = lengths.numel()
+    width = int(lengths.max()) if max_seq_len is None and batch else int(max_seq_len or 0)
+    if batch and width < int(lengths.max()):
+        raise ValueError(f"max_seq_len={width} is shorter than the longest sample ({int(lengths.max())} tokens)")
+    source_has_data = _default_has_data(rows, has_data)
+    position = torch.arange(width).unsqueeze(0)
+    valid = position < lengths.unsqueeze(1)  # [B, S_max]
+    source = (cu[:-1].unsqueeze(1) + position)[valid]  # packed index of each valid padded cell
+    flat_valid = valid.reshape(-1).to(rows.device)
+    ids = rows.new_zeros((batch * width, *rows.shape[1:]))
+    ids[flat_valid] = rows[source.to(rows.device)]
+    mask = torch.zeros(batch * width, dtype=torch.bool, device=rows.device)
+    mask[flat_valid] = source_has_data[source.to(rows.device)]
+    return AlignedRows(ids, mask)
+
+
+def rows_from_padded_layout(flat_rows: torch.Tensor, cu_seqlens: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+    """Inverse of :func:`padded_layout`: keep the valid cells of a flattened ``[B * S_max, ...]`` tensor.
+
+    Returns:
+        ``[total_nnz, ...]`` rows, sample after sample.
+    """
+    cu = cu_seqlens.to(device="cpu", dtype=torch.long)
+    lengths = cu[1:] - cu[:-1]
+    batch = lengths.numel()
+    if flat_rows.shape[0] != batch * max_seq_len:
+        raise ValueError(
+            f"expected {batch} x {max_seq_len} = {batch * max_seq_len} router rows, got {flat_rows.shape[0]}"
+        )
+    valid = (torch.arange(max_seq_len).unsqueeze(0) < lengths.unsqueeze(1)).reshape(-1)
+    return flat_rows[valid.to(flat_rows.device)]
+
+
+def unpad_rows(padded: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left/right padded per-position routing ``[B, S, L, K]`` -> packed valid rows, like verl's ``unpad_input``.
+
+    verl's legacy trainer stores ``routed_experts`` aligned with ``input_ids`` = left-padded prompt + right-padded
+    response; a token is valid where ``attention_mask`` is 1. The packed order is row-major over the valid cells.
+
+    Returns:
+        (``[total_nnz, L, K]`` rows, ``[B + 1]`` cu_seqlens).
+    """
+    if padded.dim() != 4:
+        raise ValueError(f"padded routing must be [batch, seq, layers, top_k], got shape {tuple(padded.shape)}")
+    if attention_mask.shape != padded.shape[:2]:
+        raise ValueError(
+            f"attention_mask {tuple(attention_mask.shape)} does not match routing [batch, seq] "
+            f"{tuple(padded.shape[:2])}"
+        )
+    valid = attention_mask.to(device=padded.device).bool()
+    lengths = valid.sum(dim=1).to(device="cpu", dtype=torch.long)
+    cu = torch.zeros(lengths.numel() + 1, dtype=torch.long)
+    cu[1:] = torch.cumsum(lengths, 0)
+    return padded[valid], cu
+
+
+def rows_with_data(ids: torch.Tensor) -> torch.Tensor:
+    """Which (token, MoE layer) rows hold real routing, judged from the ids alone.
+
+    Rollout engines leave unrecorded tokens (the last sampled token, tool output, anything after the last
+    generation) as zero rows and verl pads with zero rows. A genuine top-k choice with ``K >= 2`` never repeats an
+    expert, so row ``(n, l)`` is taken to hold data iff ``ids[n, l]`` has ``K`` distinct experts. With ``K == 1``
+    repetition cannot be seen; a token is then taken to hold no data only when it is zero in every layer.
+
+    Args:
+        ids: ``[N, L, K]`` expert ids over MoE layers only (dense layers removed, see :func:`select_layers`).
+
+    Returns:
+        ``[N, L]`` bool.
+    """
+    _check_rows(ids, "ids")
+    if ids.shape[0] == 0 or ids.shape[1] == 0:
+        return torch.ones(ids.shape[:2], dtype=torch.bool, device=ids.device)
+    if ids.shape[2] == 1:
+        return (ids != 0).flatten(1).any(dim=1, keepdim=True).expand(ids.shape[:2]).clone()
+    ordered, _ = ids.sort(dim=-1)
+    return ~(ordered[..., 1:] == ordered[..., :-1]).any(dim=-1)
+
+
+def select_layers(rows: torch.Tensor, moe_layers: Sequence[int]) -> torch.Tensor:
+    """Absolute decoder-layer routing ``[N, num_hidden_layers, K]`` -> MoE-layer ordinal ``[N, len(moe_layers), K]``."""
+    _check_rows(rows)
+    layers = list(moe_layers)
+    if any(not 0 <= layer < rows.shape[1] for layer in layers):
+        raise ValueError(
+            f"MoE layers {layers} do not fit routing with {rows.shape[1]} decoder layers: expected routing indexed "
+            "by absolute decoder layer over num_hidden_layers"
+        )
+    return rows[:, layers]
+
+
+def scatter_layers(rows: torch.Tensor, moe_layers: Sequence[int], num_hidden_layers: int) -> torch.Tensor:
+    """MoE-layer ordinal routing ``[N, M, K]`` -> absolute decoder layers ``[N, num_hidden_layers, K]``, dense = 0."""
+    _check_rows(rows)
+    layers = list(moe_layers)
+    if len(layers) != rows.shape[1]:
+        raise ValueError(f"routing has {rows.shape[1]} MoE layers but {len(layers)} MoE layer indices were given")
+    if any(not 0 <= layer < num_hidden_layers for layer in layers):
+        raise ValueError(f"MoE layers {layers} out of range for num_hidden_layers={num_hidden_layers}")
+    out = rows.new_zeros((rows.shape[0], num_hidden_layers, rows.shape[2]))
+    out[:, layers] = rows
+    return out
