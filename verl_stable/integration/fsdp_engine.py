@@ -51,6 +51,7 @@ import torch
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 
+from verl_stable.integration.rollout import expand_compact_routing
 from verl_stable.routing import alignment
 from verl_stable.routing.disagreement import expert_sets_differ
 from verl_stable.routing.families import ModelRouting, UnsupportedModelError, bind_model
@@ -326,6 +327,10 @@ class RouterReplayMixin:
         return action
 
     def forward_backward_batch(self, data: TensorDict, loss_function: Callable, forward_only: bool = False) -> Any:
+        if self._model_routing is not None:
+            # The rollout side ships compact uint8 routing (integration.rollout); expand it to verl's layout here,
+            # on the actor, only for the batch being processed.
+            expand_compact_routing(data, self._model_routing.layout)
         action = self._action_for(data, forward_only)
         if action is ReplayAction.NONE:
             return super().forward_backward_batch(data, loss_function, forward_only=forward_only)

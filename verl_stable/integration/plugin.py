@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 import traceback
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ REGISTRATION_STEPS: tuple[tuple[str, str], ...] = (
     ("advantages", "verl_stable.integration.advantages"),
     ("trainer", "verl_stable.integration.trainer"),
     ("fsdp_router_replay", "verl_stable.integration.fsdp_engine"),
+    ("rollout_routing", "verl_stable.integration.rollout"),
 )
 
 
@@ -39,7 +41,12 @@ class StepStatus:
 STATUS: dict[str, StepStatus] = {}
 
 
-def _run_step(name: str, module_name: str) -> StepStatus:
+def _run_step(name: str, module_name: str) -> StepStatus | None:
+    partial = sys.modules.get(module_name)
+    if partial is not None and not hasattr(partial, "register"):
+        # That module is mid-import and its own `import verl` brought us here; the next register_all() (doctor,
+        # or any later `import verl_stable.integration.plugin` caller) completes the step.
+        return None
     try:
         module = importlib.import_module(module_name)
         registered = list(module.register())
@@ -53,7 +60,9 @@ def register_all() -> dict[str, StepStatus]:
     """Run every registration step (idempotent) and return the status of each."""
     for name, module_name in REGISTRATION_STEPS:
         if name not in STATUS or not STATUS[name].ok:
-            STATUS[name] = _run_step(name, module_name)
+            status = _run_step(name, module_name)
+            if status is not None:
+                STATUS[name] = status
     return STATUS
 
 

@@ -1,0 +1,210 @@
+"""Rollout routing export on real verl objects: AgentLoopOutput, AgentLoopWorkerTQ's postprocess, verl's stacking."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+from verl.utils import tensordict_utils as tu
+from verl.utils.import_utils import load_class_from_fqn
+from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+from verl_stable.integration import rollout
+from verl_stable.routing.codecs import BoundaryStats, RoutedRows, RowCountError, ZeroRoutingError, encode_sglang
+from verl_stable.routing.trace import RoutingLayout
+from verl_stable.routing.transport import IDS_FIELD, SPAN_FIELD, dense_rows_from_fields
+
+LAYOUT = RoutingLayout("qwen3_moe", "qwen3_moe", 5, (1, 2, 4), 2, 8)  # decoder layers 0 and 3 dense
+
+
+def vllm_routing(rng: np.random.Generator, rows: int) -> np.ndarray:
+    """vLLM 0.24 layout: uint8 [rows, num_hidden_layers, top_k], zero rows for the dense layers."""
+    out = np.zeros((rows, LAYOUT.num_hidden_layers, LAYOUT.top_k), dtype=np.uint8)
+    scores = rng.random((rows, LAYOUT.num_moe_layers, LAYOUT.num_experts))
+    out[:, list(LAYOUT.moe_layers)] = np.argsort(scores, axis=-1)[..., : LAYOUT.top_k]
+    return out
+
+
+def agent_output(rng, prompt_len: int, response_mask: list[int], rows: int | None = None) -> AgentLoopOutput:
+    extent = max(i for i, m in enumerate(response_mask) if m) + 1
+    rows = prompt_len + extent - 1 if rows is None else rows
+    return AgentLoopOutput(
+        prompt_ids=rng.integers(1, 100, prompt_len).tolist(),
+        response_ids=rng.integers(1, 100, len(response_mask)).tolist(),
+        response_mask=response_mask,
+        routed_experts=vllm_routing(rng, rows),
+        metrics=AgentLoopMetrics(),
+    )
+
+
+def test_compact_fields_match_verls_own_int16_layout():
+    """Independent reference: verl's unmodified as_dict. Valid rows must equal it on MoE layers; every other
+    position must be exactly the rows verl zero-fills."""
+    rng = np.random.default_rng(0)
+    outputs = [
+        agent_output(rng, 4, [1, 1, 1]),  # single turn
+        agent_output(rng, 6, [1, 1, 0, 0, 1, 0, 0]),  # multi-turn, tool output after the last generation
+        agent_output(rng, 3, [1]),
+        agent_output(rng, 5, [1, 1]),
+    ]
+    verl_dicts = [o.model_copy(deep=True).as_dict() for o in outputs]
+    compact = [rollout.compact_agent_loop_output(o, LAYOUT) for o in outputs]
+    fields = []
+    for c in compact:
+        d = c.as_dict()
+        assert "routed_experts" not in d and "compact_routing" not in d
+        d["input_ids"] = torch.cat([d["prompts"], d["responses"]])  # as AgentLoopWorkerTQ adds it
+        fields.append(d)
+    batch = list_of_dict_to_tensordict(fields)  # verl's own stacking into one TransferQueue put
+    assert batch[IDS_FIELD].is_nested and batch[IDS_FIELD].dtype == torch.uint8
+    trace = rollout.routing_trace_from_batch(batch, LAYOUT)
+    assert trace.lengths.tolist() == [7, 13, 4, 7]
+    for i, (verl_dict, seq) in enumerate(zip(verl_dicts, trace.split(), strict=True)):
+        verl_moe = verl_dict["routed_experts"][:, list(LAYOUT.moe_layers)].long()
+        valid = seq.valid_mask().all(dim=1)
+        assert torch.equal(seq.to_tensor()[valid], verl_moe[valid]), i
+        assert not verl_moe[~valid].any(), i  # what we mark missing, verl carried as zero rows
+    # missing = last generated token + tool tokens after it
+    assert [int((~s.valid_mask().all(dim=1)).sum()) for s in trace.split()] == [1, 3, 1, 1]
+    assert [c.extra_fields["stable_routing_missing_positions"] for c in compact] == [1, 3, 1, 1]
+    # verl's own TensorDict ops (shuffle/select, micro-batch chunking, concat) keep fields and tokens together
+    perm = [2, 0, 3, 1]
+    shuffled = tu.index_select_tensor_dict(batch, perm)
+    chunks = tu.chunk_tensordict(shuffled, 2)
+    rejoined = tu.concat_tensordict(chunks)
+    for chunk in (*chunks, rejoined):
+        dense = dense_rows_from_fields(chunk[IDS_FIELD], chunk[SPAN_FIELD], chunk["input_ids"].offsets(), LAYOUT)
+        assert dense.shape[0] == int(chunk["input_ids"].offsets()[-1])
+    assert torch.equal(
+        rollout.routing_trace_from_batch(rejoined, LAYOUT).to_tensor(),
+        torch.cat([trace.sequence(i).to_tensor() for i in perm]),
+    )
+    # expanded back on the actor, it is verl's own field, value for value
+    assert rollout.expand_compact_routing(batch, LAYOUT) and not rollout.expand_compact_routing(batch, LAYOUT)
+    for got, verl_dict in zip(batch["routed_experts"].unbind(), verl_dicts, strict=True):
+        assert got.dtype == torch.int16 and torch.equal(got, verl_dict["routed_experts"])
+    ours = sum(t.numel() * t.element_size() for t in batch[IDS_FIELD].unbind())
+    verls = sum(d["routed_experts"].numel() * 2 for d in verl_dicts)
+    assert ours * 10 / 3 < verls  # uint8 over 3 of 5 layers vs int16 over 5, on recorded rows only
+
+
+def test_boundary_errors_and_configured_fallback():
+    rng = np.random.default_rng(1)
+    too_many = agent_output(rng, 4, [1, 1, 1], rows=7)  # a row for the last sampled token
+    with pytest.raises(RowCountError, match="7 routed rows, expected 6"):
+        rollout.compact_agent_loop_output(too_many, LAYOUT)
+    zeros = agent_output(rng, 4, [1, 1, 1])
+    zeros.routed_experts[:] = 0  # the all-zero engine failure
+    with pytest.raises(ZeroRoutingError):
+        rollout.compact_agent_loop_output(zeros.model_copy(deep=True), LAYOUT)
+    options = rollout.RolloutRoutingOptions.from_config(
+        OmegaConf.create({"verl_stable": {"routing": {"on_invalid": "skip_sample"}}})
+    )
+    stats = BoundaryStats()
+    skipped = rollout.compact_agent_loop_output(zeros, LAYOUT, options, stats)
+    d = skipped.as_dict()
+    assert d[IDS_FIELD].shape == (0, 3, 2) and d[SPAN_FIELD].tolist() == [0, 0]
+    assert skipped.extra_fields["stable_routing_skipped"] == 1 and stats.skipped_samples == 1
+    assert rollout.RolloutRoutingOptions.from_config(OmegaConf.create({})).on_invalid == "raise"
+    with pytest.raises(ValueError, match="on_invalid"):
+        rollout.RolloutRoutingOptions(on_invalid="guess")
+
+
+def test_sglang_reader_fix_returns_vllm_layout():
+    rng = np.random.default_rng(2)
+    full = vllm_routing(rng, 5 + 3 - 1)
+    rows = RoutedRows(0, full[:, list(LAYOUT.moe_layers)])
+    for wire in ("int32", "uint8"):
+        output = {"output_ids": [7, 8, 9], "meta_info": encode_sglang(rows, LAYOUT, wire_dtype=wire)}
+        np.testing.assert_array_equal(rollout.read_sglang_routed_experts(output, prompt_len=5, layout=LAYOUT), full)
+    offset = {"output_ids": [7, 8, 9], "meta_info": encode_sglang(RoutedRows(2, rows.ids[2:]), LAYOUT)}
+    with pytest.raises(RowCountError, match="routed_experts_start_len=2"):
+        rollout.read_sglang_routed_experts(offset, prompt_len=5, layout=LAYOUT)
+
+
+def test_manager_resolves_by_fqn_and_worker_postprocess_puts_compact_fields(monkeypatch):
+    """verl's loader finds the manager; the worker runs verl's real AgentLoopWorkerTQ postprocess."""
+    import ray
+    import transfer_queue as tq
+    from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
+
+    manager_cls = load_class_from_fqn(rollout.MANAGER_FQN, "AgentLoopManager")
+    assert issubclass(manager_cls, AgentLoopManagerTQ)
+    worker_cls = rollout.CompactRoutingAgentLoopWorkerTQ
+    assert issubclass(worker_cls, AgentLoopWorkerTQ.__ray_actor_class__)
+    manager = manager_cls.__new__(manager_cls)
+    manager_cls.__init__(
+        manager, config=OmegaConf.create({"actor_rollout_ref": {"rollout": {}, "model": {}}}), llm_client=None
+    )
+    assert isinstance(manager.agent_loop_workers_class, ray.actor.ActorClass)
+
+    worker = worker_cls.__new__(worker_cls)  # the Ray/TransferQueue-free part of __init__ by hand
+    worker.reward_loop_worker_handles, worker.distillation_enabled, worker.processor = None, False, None
+    worker.stable_routing_enabled = True
+    worker.stable_routing_layout, worker.stable_routing_options = LAYOUT, rollout.RolloutRoutingOptions()
+    worker.stable_routing_stats = BoundaryStats()
+    put = {}
+
+    async def capture(keys, fields, tags, partition_id):  # TransferQueue's put, the only stand-in
+        put.update(keys=keys, fields=fields, tags=tags)
+
+    monkeypatch.setattr(tq, "async_kv_batch_put", capture)
+    rng = np.random.default_rng(3)
+    output = agent_output(rng, 4, [1, 1, 1])
+    expected = output.routed_experts[:, list(LAYOUT.moe_layers)]
+    asyncio.run(worker._agent_loop_postprocess(output, False, uid="u0", session_id=0, global_steps=1))
+    fields = put["fields"]
+    assert put["keys"] == ["u0_0_0"] and "routed_experts" not in fields.keys()
+    assert fields[SPAN_FIELD].tolist() == [[0, 6]]
+    np.testing.assert_array_equal(fields[IDS_FIELD][0].numpy(), expected)
+    assert worker.stable_routing_metrics()["stable/routing/samples"] == 1.0
+
+
+def test_register_checks_verl_interfaces():
+    names = rollout.register()
+    assert names and rollout.MANAGER_FQN in names[0]
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+E2E_AUTOREG = """\
+from verl_stable.cpu import runtime
+from verl_stable.integration import fsdp_engine
+
+runtime.register()
+fsdp_engine.register()
+"""
+
+
+@pytest.mark.e2e
+def test_e2e_r3_actors_receive_the_compact_form_and_replay_it(tmp_path, monkeypatch):
+    """verl's main_ppo on the CPU runtime: hf rollout (fp32) -> compact manager -> TransferQueue -> FSDP R3 replay."""
+    import os
+    import sys
+
+    from verl_stable.cpu import launch
+    from verl_stable.integration import fsdp_engine as fe
+    from verl_stable.lab.assets import AssetSpec, ensure_assets
+
+    (tmp_path / "stable_autoreg_compact.py").write_text(E2E_AUTOREG)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *sys.path]))
+    monkeypatch.setenv("VERL_USE_EXTERNAL_MODULES", "stable_autoreg_compact")
+    assets = ensure_assets(tmp_path / "assets", AssetSpec(task="copy"))
+    overrides = launch.cpu_overrides(assets, steps=2, precision="fp32", routing_capture=True, metrics_logger=("file",))
+    overrides += [
+        f"trainer.default_local_dir={tmp_path / 'checkpoints'}",
+        "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
+        f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={rollout.MANAGER_FQN}",
+    ]
+    proc = launch.run_main_ppo(overrides, tmp_path / "run", timeout_s=1500)
+    log = (tmp_path / "run" / "main_ppo.log").read_text()
+    assert proc.returncode == 0, log[-4000:]
+    rows = launch.read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row[f"actor/{fe.METRIC_PREFIX}disagreement"] == 0.0  # every update used the rollout's experts
+        assert row[f"actor/{fe.METRIC_PREFIX}replayed_rows"] > 0
+        assert row[f"actor/{fe.METRIC_PREFIX}missing_rows"] > 0  # at least each sample's last token
