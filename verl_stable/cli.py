@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata as md
-import importlib.util
 import sys
 from collections.abc import Callable, Sequence
 
@@ -76,15 +75,14 @@ def doctor(model: str | None = None, out: Callable[[str], None] = print) -> int:
 
 
 def _check_cpu_runtime(out: Callable[[str], None]) -> list[str]:
-    if importlib.util.find_spec("verl_stable.cpu.contracts") is None:
-        return []
-    contracts = importlib.import_module("verl_stable.cpu.contracts")
-    out("  CPU runtime contracts with the installed verl:")
+    from verl_stable.cpu import runtime
+
+    out("  CPU runtime (verl contracts + registrations in this process):")
     problems = []
-    for result in contracts.check_contracts():
+    for result in runtime.doctor():
         out(f"    [{'ok ' if result.ok else 'FAIL'}] {result.name}")
         if not result.ok:
-            problems.append(f"CPU runtime contract {result.name!r} broken: {result.message}")
+            problems.append(f"CPU runtime: {result.name}: {result.detail}")
     return problems
 
 

@@ -481,33 +481,11 @@ def test_plugin_registration_is_deferred_until_verl_imports_its_engines():
 
 # ----------------------------------------------------------------------------------------------- end to end
 # verl's real trainer (main_ppo, V1) on the CPU runtime with the ``hf`` rollout exporting routing. Slow: e2e.
-E2E_AUTOREG = """\
-from verl_stable.cpu import runtime
-from verl_stable.integration import fsdp_engine
-
-runtime.register()
-fsdp_engine.register()
-"""
-
-
 @pytest.fixture(scope="module")
 def e2e_assets(tmp_path_factory):
     from verl_stable.lab.assets import AssetSpec, ensure_assets
 
     return ensure_assets(tmp_path_factory.mktemp("assets"), AssetSpec(task="copy"))
-
-
-@pytest.fixture
-def e2e_registration(tmp_path, monkeypatch):
-    from verl_stable.integration import plugin
-
-    steps = {module for _, module in plugin.REGISTRATION_STEPS}
-    if {"verl_stable.integration.fsdp_engine", "verl_stable.cpu.runtime"} <= steps:
-        return
-    (tmp_path / "stable_autoreg_replay.py").write_text(E2E_AUTOREG)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *sys.path]))
-    extra = os.environ.get("VERL_USE_EXTERNAL_MODULES", "")
-    monkeypatch.setenv("VERL_USE_EXTERNAL_MODULES", ",".join(filter(None, [extra, "stable_autoreg_replay"])))
 
 
 def _e2e_run(assets, workdir, mode: str, *extra: str, routing_capture: bool = True):
@@ -534,7 +512,7 @@ def _actor_metric(row, name):
 
 
 @pytest.mark.e2e
-def test_e2e_r3_replays_the_rollout_routing_with_zero_disagreement(e2e_assets, tmp_path, e2e_registration):
+def test_e2e_r3_replays_the_rollout_routing_with_zero_disagreement(e2e_assets, tmp_path):
     rows = _e2e_run(e2e_assets, tmp_path / "r3", "R3")
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
@@ -544,7 +522,7 @@ def test_e2e_r3_replays_the_rollout_routing_with_zero_disagreement(e2e_assets, t
 
 
 @pytest.mark.e2e
-def test_e2e_r2_updates_replay_the_old_log_prob_routing(e2e_assets, tmp_path, e2e_registration):
+def test_e2e_r2_updates_replay_the_old_log_prob_routing(e2e_assets, tmp_path):
     rows = _e2e_run(e2e_assets, tmp_path / "r2", "R2", routing_capture=False)
     for row in rows:
         assert _actor_metric(row, "disagreement") == 0.0  # updates used pi_old's recorded experts
@@ -553,7 +531,7 @@ def test_e2e_r2_updates_replay_the_old_log_prob_routing(e2e_assets, tmp_path, e2
 
 
 @pytest.mark.e2e
-def test_e2e_disabled_shows_the_precision_mismatch(e2e_assets, tmp_path, e2e_registration):
+def test_e2e_disabled_shows_the_precision_mismatch(e2e_assets, tmp_path):
     rows = _e2e_run(e2e_assets, tmp_path / "off", "disabled")
     for row in rows:
         assert _actor_metric(row, "disagreement") > 0.0  # bf16 rollout routed differently from fp32 training

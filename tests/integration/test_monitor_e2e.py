@@ -4,41 +4,17 @@ verl's logged metrics; a deliberately destabilised run is stopped by the guard w
 Slow (two short runs of a few minutes on two cores): marked ``e2e``.
 """
 
-import os
-import sys
-
 import pytest
 
+from verl_stable.cpu import launch
+from verl_stable.lab.assets import AssetSpec, ensure_assets
+
 pytestmark = pytest.mark.e2e
-
-launch = pytest.importorskip("verl_stable.cpu.launch")
-from verl_stable.integration import plugin  # noqa: E402
-from verl_stable.lab.assets import AssetSpec, ensure_assets  # noqa: E402
-
-# Until plugin.py lists these steps, a throw-away module imported by verl in every process runs them instead.
-AUTOREG = """\
-from verl_stable.cpu import runtime
-from verl_stable.integration import trainer
-
-runtime.register()
-trainer.register()
-"""
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     return ensure_assets(tmp_path_factory.mktemp("assets"), AssetSpec(task="copy"))
-
-
-@pytest.fixture
-def registration_env(tmp_path, monkeypatch):
-    steps = {module for _, module in plugin.REGISTRATION_STEPS}
-    if {"verl_stable.integration.trainer", "verl_stable.cpu.runtime"} <= steps:
-        return
-    (tmp_path / "stable_autoreg_e2e.py").write_text(AUTOREG)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *sys.path]))
-    extra = os.environ.get("VERL_USE_EXTERNAL_MODULES", "")
-    monkeypatch.setenv("VERL_USE_EXTERNAL_MODULES", ",".join(filter(None, [extra, "stable_autoreg_e2e"])))
 
 
 def _run(assets, workdir, *extra, steps, **kwargs):
@@ -50,7 +26,7 @@ def _run(assets, workdir, *extra, steps, **kwargs):
     return proc.returncode, log, rows
 
 
-def test_healthy_run_logs_stable_metrics_and_is_not_stopped(assets, tmp_path, registration_env):
+def test_healthy_run_logs_stable_metrics_and_is_not_stopped(assets, tmp_path):
     experts = AssetSpec().num_experts
     rc, log, rows = _run(
         assets, tmp_path / "healthy", f"+stable.monitor.num_experts={experts}", steps=3, routing_capture=True
@@ -72,7 +48,7 @@ def test_healthy_run_logs_stable_metrics_and_is_not_stopped(assets, tmp_path, re
     assert "GuardTripped" not in log
 
 
-def test_destabilised_run_is_stopped_by_the_guard_with_its_reason(assets, tmp_path, registration_env):
+def test_destabilised_run_is_stopped_by_the_guard_with_its_reason(assets, tmp_path):
     rc, log, rows = _run(
         assets,
         tmp_path / "destabilised",

@@ -170,28 +170,13 @@ def test_register_checks_verl_interfaces():
 
 
 # ------------------------------------------------------------------------------------------------ end to end
-E2E_AUTOREG = """\
-from verl_stable.cpu import runtime
-from verl_stable.integration import fsdp_engine
-
-runtime.register()
-fsdp_engine.register()
-"""
-
-
 @pytest.mark.e2e
-def test_e2e_r3_actors_receive_the_compact_form_and_replay_it(tmp_path, monkeypatch):
+def test_e2e_r3_actors_receive_the_compact_form_and_replay_it(tmp_path):
     """verl's main_ppo on the CPU runtime: hf rollout (fp32) -> compact manager -> TransferQueue -> FSDP R3 replay."""
-    import os
-    import sys
-
     from verl_stable.cpu import launch
     from verl_stable.integration import fsdp_engine as fe
     from verl_stable.lab.assets import AssetSpec, ensure_assets
 
-    (tmp_path / "stable_autoreg_compact.py").write_text(E2E_AUTOREG)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *sys.path]))
-    monkeypatch.setenv("VERL_USE_EXTERNAL_MODULES", "stable_autoreg_compact")
     assets = ensure_assets(tmp_path / "assets", AssetSpec(task="copy"))
     overrides = launch.cpu_overrides(assets, steps=2, precision="fp32", routing_capture=True, metrics_logger=("file",))
     overrides += [

@@ -179,7 +179,6 @@ def test_step_monitor_entropy_slope_and_guard_verdicts():
 
 
 def test_routing_disagreement_uses_the_routing_issue_function():
-    pytest.importorskip("verl_stable.routing.disagreement")
     td = _tq_answer(ROWS[:2])
     train = [r.clone() for r in td["routed_experts"].unbind(0)]
     train[0][1, 1] = torch.tensor([2, 1], dtype=torch.int16)  # one decision differs: {2,3} -> {1,2}

@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -374,31 +373,12 @@ def test_cpu_overrides_refuse_megatron():
         R.cpu_overrides("vespo", FAKE_ASSETS, backend="megatron")
 
 
-# Until plugin.py lists these steps, a throw-away module imported by verl in every process runs them.
-AUTOREG = """\
-from verl_stable.cpu import runtime
-from verl_stable.integration import fsdp_engine, trainer
-
-runtime.register()
-fsdp_engine.register()
-trainer.register()
-"""
-
-
 @pytest.mark.e2e
-def test_r2_recipe_trains_on_the_cpu_runtime(tmp_path, monkeypatch):
+def test_r2_recipe_trains_on_the_cpu_runtime(tmp_path):
     """fsdp/minirl_n2_r2 through verl's real main_ppo on CPU: minirl loss, token IS, R2 replay, monitor metrics."""
     from verl_stable.cpu import launch
-    from verl_stable.integration import plugin
     from verl_stable.lab.assets import AssetSpec, ensure_assets
 
-    steps = {module for _, module in plugin.REGISTRATION_STEPS}
-    wanted = {"verl_stable.cpu.runtime", "verl_stable.integration.fsdp_engine", "verl_stable.integration.trainer"}
-    if not wanted <= steps:
-        (tmp_path / "stable_autoreg_recipes.py").write_text(AUTOREG)
-        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *sys.path]))
-        extra = os.environ.get("VERL_USE_EXTERNAL_MODULES", "")
-        monkeypatch.setenv("VERL_USE_EXTERNAL_MODULES", ",".join(filter(None, [extra, "stable_autoreg_recipes"])))
     spec = AssetSpec(num_train=8, num_val=4, hidden_size=32, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
     assets = ensure_assets(tmp_path / "assets", spec)
     path = R.recipe_path("fsdp", "minirl_n2_r2")

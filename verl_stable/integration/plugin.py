@@ -19,6 +19,7 @@ logger = logging.getLogger("verl_stable")
 # (step name, module). Each module exposes ``register() -> list[str]`` returning what it registered;
 # ``register`` must be idempotent because several import paths can reach it in one process.
 REGISTRATION_STEPS: tuple[tuple[str, str], ...] = (
+    ("cpu_runtime", "verl_stable.cpu.runtime"),
     ("losses", "verl_stable.integration.losses"),
     ("advantages", "verl_stable.integration.advantages"),
     ("trainer", "verl_stable.integration.trainer"),

@@ -1,0 +1,66 @@
+"""Routing export from the ``hf`` backend in vLLM 0.24's layout, and its replay reproducing the logits."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import pytest
+import torch
+
+from verl_stable.cpu import hf_rollout
+from verl_stable.routing import RoutingTrace, UnsupportedModelError, capture, replay
+
+PROMPT = [3, 7, 5, 9, 20, 4, 5, 3, 8, 5]
+PARAMS = dict(temperature=1.0, top_p=1.0, top_k=-1, repetition_penalty=1.0, logprobs=True, seed=0)
+
+
+def _server(path, precision="fp32"):
+    from verl.workers.config import HFModelConfig, RolloutConfig
+
+    cfg = RolloutConfig(
+        name="hf",
+        prompt_length=16,
+        response_length=6,
+        tensor_model_parallel_size=1,
+        enable_rollout_routing_replay=True,
+        engine_kwargs={"hf": {"precision": precision}},
+    )
+    return hf_rollout.HFRolloutServer(cfg, HFModelConfig(path=str(path)))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp8"])
+def test_routed_experts_layout_and_replay_reproduce_logits(cpu_assets, precision):
+    server = _server(cpu_assets.model_dir, precision)
+    model, cfg = server.model, server.model.config
+    out = asyncio.run(server.generate(prompt_ids=PROMPT, sampling_params=dict(PARAMS, ignore_eos=True), request_id="r"))
+    arr = out.routed_experts
+    n = len(out.token_ids)
+    # vLLM 0.24: [prompt_len + n_output - 1, num_hidden_layers, top_k], uint8 for <= 256 experts.
+    assert arr.shape == (len(PROMPT) + n - 1, cfg.num_hidden_layers, cfg.num_experts_per_tok)
+    assert arr.dtype.name == "uint8"
+    seq = torch.tensor([PROMPT + out.token_ids[:-1]])
+    with torch.no_grad(), capture(model) as rec:
+        own_logits = model(input_ids=seq).logits
+    # The exported rows are the routing a teacher-forced forward of the same model takes.
+    assert torch.equal(torch.from_numpy(arr).long(), rec.trace.to_tensor().long())
+    trace = RoutingTrace.from_tensor(torch.from_numpy(arr).long(), num_experts=cfg.num_experts)
+    with torch.no_grad(), replay(model, trace) as rp:
+        replayed_logits = model(input_ids=seq).logits
+    assert rp.stats.replayed_rows == arr.shape[0] * cfg.num_hidden_layers and rp.stats.missing_rows == 0
+    assert torch.equal(replayed_logits, own_logits)
+
+
+def test_unroutable_model_family_is_a_clear_error(cpu_assets, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    for f in cpu_assets.model_dir.iterdir():
+        if "token" in f.name or f.name == "chat_template.jinja":
+            shutil.copy(f, tmp_path / f.name)
+    dense = LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64,
+    )  # fmt: skip
+    LlamaForCausalLM(dense).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="does not support model_type 'llama'"):
+        _server(tmp_path)

@@ -1,0 +1,189 @@
+"""One-command CPU runs of verl's own trainer (``python -m verl.trainer.main_ppo``) with the CPU runtime.
+
+:func:`cpu_overrides` returns the hydra overrides a CPU run needs (platform, fake Ray GPU for placement, gloo, sdpa,
+one TransferQueue storage unit, the ``hf`` rollout backend, tiny batch sizes, the toy reward). :func:`main` builds the
+tiny assets if missing and runs ``main_ppo`` in a subprocess with ``VERL_PLATFORM=cpu``; extra ``key=value``
+arguments are appended and win. Per-step metrics go to a JSON-lines file (verl's ``file`` logger).
+
+    python -m verl_stable.cpu.launch --workdir /tmp/run trainer.total_training_steps=3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from verl_stable.cpu.polling import ENV_POLL_INTERVAL
+from verl_stable.lab import tasks
+from verl_stable.lab.assets import Assets, AssetSpec, ensure_assets
+
+# Overrides every CPU run needs, independent of the model/data (see /work/shared/reference/verl-cpu-runtime.md).
+RUNTIME_OVERRIDES: tuple[str, ...] = (
+    "trainer.device=cpu",
+    "trainer.n_gpus_per_node=1",
+    "trainer.nnodes=1",
+    "+ray_kwargs.ray_init.num_gpus=1",  # a fake Ray GPU: verl's resource pools count GPUs
+    "ray_kwargs.ray_init.num_cpus=16",  # TransferQueue actors need more CPU slots than a 2-core host has
+    "+ray_kwargs.ray_init.include_dashboard=False",
+    "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+    "actor_rollout_ref.actor.strategy=fsdp2",
+    "actor_rollout_ref.model.use_remove_padding=False",  # flash-attn varlen path is GPU-only
+    "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+    "actor_rollout_ref.rollout.name=hf",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+    "actor_rollout_ref.rollout.agent.num_workers=1",
+    "reward.num_workers=1",
+    "data.dataloader_num_workers=0",
+)
+
+
+def cpu_overrides(
+    assets: Assets,
+    *,
+    steps: int = 3,
+    batch_size: int = 4,
+    group_size: int = 4,
+    max_prompt_length: int = 16,
+    max_response_length: int = 4,
+    precision: str | None = None,
+    sync_weights: bool = True,
+    rollout_is: str | None = "token",
+    routing_capture: bool = False,
+    metrics_logger: Sequence[str] = ("console", "file"),
+) -> list[str]:
+    """Hydra overrides for a GRPO run of the tiny assets on the CPU runtime.
+
+    Args:
+        assets: paths from :func:`verl_stable.lab.assets.ensure_assets`.
+        steps: ``trainer.total_training_steps``.
+        batch_size: prompts per step (also the PPO mini-batch: one update per step).
+        group_size: samples per prompt (GRPO group, ``rollout.n``).
+        precision: rollout precision for the ``hf`` backend (fp32 | bf16 | fp16 | fp8); None keeps ``rollout.dtype``.
+        sync_weights: False leaves the rollout at the initial weights (deliberate drift, for checks).
+        rollout_is: verl's rollout correction ``rollout_is`` (token | sequence | None).
+        routing_capture: ``rollout.enable_rollout_routing_replay`` (routing export from the hf backend).
+    """
+    reward_path = tasks.__file__
+    ov = list(RUNTIME_OVERRIDES)
+    ov += [
+        f"data.train_files={assets.train_file}",
+        f"data.val_files={assets.val_file}",
+        f"data.train_batch_size={batch_size}",
+        f"data.max_prompt_length={max_prompt_length}",
+        f"data.max_response_length={max_response_length}",
+        f"actor_rollout_ref.model.path={assets.model_dir}",
+        "algorithm.adv_estimator=grpo",
+        f"actor_rollout_ref.rollout.n={group_size}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={batch_size}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={batch_size * group_size}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={batch_size * group_size}",
+        "actor_rollout_ref.actor.use_kl_loss=False",
+        "algorithm.use_kl_in_reward=False",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        "actor_rollout_ref.rollout.calculate_log_probs=True",
+        f"actor_rollout_ref.rollout.enable_rollout_routing_replay={routing_capture}",
+        f"+actor_rollout_ref.rollout.engine_kwargs.hf.sync_weights={sync_weights}",
+        f"reward.custom_reward_function.path={reward_path}",
+        "reward.custom_reward_function.name=compute_score",
+        f"trainer.total_training_steps={steps}",
+        "trainer.val_before_train=False",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.project_name=verl_stable_cpu",
+        "trainer.experiment_name=cpu_run",
+        "trainer.logger=[" + ",".join(f'"{x}"' for x in metrics_logger) + "]",
+    ]
+    if precision is not None:
+        ov.append(f"+actor_rollout_ref.rollout.engine_kwargs.hf.precision={precision}")
+    if rollout_is is not None:
+        ov.append(f"algorithm.rollout_correction.rollout_is={rollout_is}")
+    return ov
+
+
+def cpu_env(
+    metrics_file: str | os.PathLike | None = None, poll_interval_s: float | None = 0.1, base: dict | None = None
+) -> dict[str, str]:
+    """Environment for a CPU ``main_ppo`` subprocess: platform choice, poll interval, metrics file."""
+    env = dict(os.environ if base is None else base)
+    env["VERL_PLATFORM"] = "cpu"
+    env.setdefault("RAY_AUTH_MODE", "disabled")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("RAY_DEDUP_LOGS", "0")
+    if poll_interval_s is not None:
+        env[ENV_POLL_INTERVAL] = str(poll_interval_s)
+    if metrics_file is not None:
+        env["VERL_FILE_LOGGER_PATH"] = str(metrics_file)
+    return env
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """Per-step metric dicts from verl's file logger (``{"step": s, "data": {...}}`` per line)."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            rows.append({"step": record["step"], **record["data"]})
+    return rows
+
+
+_RAY_START_FAILURE = "The current node timed out during startup"
+
+
+def run_main_ppo(
+    overrides: Sequence[str],
+    workdir: str | os.PathLike,
+    *,
+    timeout_s: float | None = None,
+    poll_interval_s: float | None = 0.1,
+    log_name: str = "main_ppo.log",
+    ray_start_retries: int = 2,
+) -> subprocess.CompletedProcess:
+    """Run ``python -m verl.trainer.main_ppo`` with ``overrides`` in ``workdir`` (log in ``workdir/log_name``).
+
+    Ray gives its local node a fixed 30 s to start; on an overloaded host that fails before verl runs, so such a
+    start-up failure (and only that) is retried up to ``ray_start_retries`` times.
+    """
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = cpu_env(workdir / "metrics.jsonl", poll_interval_s)
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
+    for attempt in range(ray_start_retries + 1):
+        with open(workdir / log_name, "w") as log:
+            proc = subprocess.run(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+        if proc.returncode == 0 or _RAY_START_FAILURE not in (workdir / log_name).read_text(errors="ignore"):
+            return proc
+        print(f"Ray node start-up timed out (attempt {attempt + 1}); retrying", file=sys.stderr)
+    return proc
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI: build tiny assets if missing, then run verl's trainer on CPU. Returns the trainer's exit code."""
+    parser = argparse.ArgumentParser(prog="verl-stable run", description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", default="./verl_stable_cpu_run", help="assets, checkpoints, logs, metrics")
+    parser.add_argument("--task", default="copy", choices=tasks.TASKS)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--precision", default=None, help="hf rollout precision: fp32 | bf16 | fp16 | fp8")
+    parser.add_argument("--no-sync", action="store_true", help="skip weight sync to the rollout (drift check)")
+    parser.add_argument("--poll-interval", type=float, default=0.1, help="replay-buffer poll seconds (verl: 2.0)")
+    parser.add_argument("--print-overrides", action="store_true", help="print the overrides and exit")
+    parser.add_argument("overrides", nargs="*", help="extra hydra overrides key=value (appended, they win)")
+    args = parser.parse_args(argv)
+    workdir = Path(args.workdir).resolve()
+    assets = ensure_assets(workdir / "assets", AssetSpec(task=args.task))
+    ov = cpu_overrides(assets, steps=args.steps, precision=args.precision, sync_weights=not args.no_sync)
+    ov += [f"trainer.default_local_dir={workdir / 'checkpoints'}", *args.overrides]
+    if args.print_overrides:
+        print("\n".join(ov))
+        return 0
+    proc = run_main_ppo(ov, workdir, poll_interval_s=args.poll_interval)
+    print(f"main_ppo exited {proc.returncode}; log: {workdir / 'main_ppo.log'}; metrics: {workdir / 'metrics.jsonl'}")
+    return proc.returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

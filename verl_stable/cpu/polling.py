@@ -1,0 +1,64 @@
+"""Make verl's replay-buffer poll interval configurable (it is a fixed 2 s in verl 0.9.1).
+
+verl's V1 trainer waits for rollouts by polling TransferQueue every ``ReplayBuffer.poll_interval`` seconds, a
+constructor argument the trainer never passes, so every step pays up to 2 s of idle waiting -- most of a tiny CPU
+step. :func:`poll_interval` is a context manager that makes new ``ReplayBuffer`` instances use another interval and
+restores verl's constructor on exit. :func:`register` applies it for the life of the process when the environment
+variable ``VERL_STABLE_POLL_INTERVAL_S`` is set (the CPU launcher sets it; the task runner process builds the replay
+buffer and inherits the variable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+from typing import Any
+
+ENV_POLL_INTERVAL = "VERL_STABLE_POLL_INTERVAL_S"
+_INSTALLED = contextlib.ExitStack()
+
+
+@contextlib.contextmanager
+def poll_interval(seconds: float) -> Iterator[None]:
+    """Within the block, ``ReplayBuffer`` (and subclasses) default to ``poll_interval=seconds``.
+
+    An explicit ``poll_interval=`` argument still wins. Raises ``ValueError`` for a non-positive interval.
+    """
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+
+    seconds = float(seconds)
+    if not seconds > 0:
+        raise ValueError(f"poll interval must be > 0 seconds, got {seconds}")
+    original = ReplayBuffer.__init__
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        kwargs.setdefault("poll_interval", seconds)
+        original(self, *args, **kwargs)
+
+    __init__.__verl_stable_poll__ = seconds  # type: ignore[attr-defined]
+    ReplayBuffer.__init__ = __init__
+    try:
+        yield
+    finally:
+        ReplayBuffer.__init__ = original
+
+
+def uninstall() -> None:
+    """Undo what :func:`register` installed."""
+    _INSTALLED.close()
+
+
+def register() -> list[str]:
+    """Apply ``VERL_STABLE_POLL_INTERVAL_S`` to verl's replay buffer in this process (idempotent, opt-in)."""
+    raw = os.environ.get(ENV_POLL_INTERVAL, "").strip()
+    if not raw:
+        return []
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+
+    current = getattr(ReplayBuffer.__init__, "__verl_stable_poll__", None)
+    if current is None:
+        _INSTALLED.enter_context(poll_interval(float(raw)))
+    return [f"replay_buffer_poll_interval:{float(raw)}s"]
