@@ -15,16 +15,7 @@ REGIME=${1:?usage: $0 REGIME [hydra overrides ...]}
 shift
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "${HERE}/_regime.sh"
-
-MODEL_PATH=${MODEL_PATH:-Qwen/Qwen3-30B-A3B}
-TRAIN_FILES=${TRAIN_FILES:-${HOME}/data/math/train.parquet}
-VAL_FILES=${VAL_FILES:-${HOME}/data/math/test.parquet}
-NNODES=${NNODES:-4}
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-
-MAX_PROMPT_LENGTH=${MAX_PROMPT_LENGTH:-2048}
-MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-30720}
-SEQ_LEN=$((MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH))
+source "${HERE}/_qwen3_30b_a3b.sh"
 
 # Megatron parallelism for 48 layers x 128 experts (top-8): experts over 8 GPUs, context parallel for 32k
 TP=${TP:-2}
@@ -34,30 +25,18 @@ EP=${EP:-8}
 ETP=${ETP:-1}
 TRAIN_TOKENS_PER_GPU=${TRAIN_TOKENS_PER_GPU:-$((SEQ_LEN * 2))}
 OFFLOAD=${OFFLOAD:-True}
-
-ROLLOUT_TP=${ROLLOUT_TP:-4}
-ROLLOUT_QUANTIZATION=${ROLLOUT_QUANTIZATION:-fp8}
 GPU_MEMORY_UTILIZATION=${GPU_MEMORY_UTILIZATION:-0.65}
 
-PROJECT=${PROJECT:-verl_stable}
+LOGPROB_TOKENS_PER_GPU=${TRAIN_TOKENS_PER_GPU}
 EXPERIMENT=${EXPERIMENT:-qwen3_30b_a3b_megatron_${REGIME}_n${N}}
+source "${HERE}/_common.sh"
 
 export CUDA_DEVICE_MAX_CONNECTIONS=1  # Megatron overlaps communication with computation
 
 python3 -m verl.trainer.main_ppo \
     --config-path="$(dirname "${HERE}")/megatron" \
     --config-name="${REGIME}" \
-    data.train_files="${TRAIN_FILES}" \
-    data.val_files="${VAL_FILES}" \
-    data.train_batch_size="${TRAIN_BATCH_SIZE}" \
-    data.max_prompt_length="${MAX_PROMPT_LENGTH}" \
-    data.max_response_length="${MAX_RESPONSE_LENGTH}" \
-    data.filter_overlong_prompts=True \
-    data.truncation=error \
-    actor_rollout_ref.model.path="${MODEL_PATH}" \
-    actor_rollout_ref.actor.optim.lr=1e-6 \
-    actor_rollout_ref.actor.ppo_mini_batch_size="${MINI_BATCH_PROMPTS}" \
-    actor_rollout_ref.actor.ppo_max_token_len_per_gpu="${TRAIN_TOKENS_PER_GPU}" \
+    "${COMMON_ARGS[@]}" \
     actor_rollout_ref.actor.megatron.tensor_model_parallel_size="${TP}" \
     actor_rollout_ref.actor.megatron.pipeline_model_parallel_size="${PP}" \
     actor_rollout_ref.actor.megatron.context_parallel_size="${CP}" \
@@ -69,21 +48,5 @@ python3 -m verl.trainer.main_ppo \
     actor_rollout_ref.actor.megatron.override_transformer_config.recompute_method=uniform \
     actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=full \
     actor_rollout_ref.actor.megatron.override_transformer_config.recompute_num_layers=1 \
-    actor_rollout_ref.rollout.name=vllm \
-    actor_rollout_ref.rollout.n="${GROUP_SIZE}" \
-    actor_rollout_ref.rollout.quantization="${ROLLOUT_QUANTIZATION}" \
-    actor_rollout_ref.rollout.tensor_model_parallel_size="${ROLLOUT_TP}" \
-    actor_rollout_ref.rollout.gpu_memory_utilization="${GPU_MEMORY_UTILIZATION}" \
     actor_rollout_ref.rollout.max_num_batched_tokens="${SEQ_LEN}" \
-    actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu="${TRAIN_TOKENS_PER_GPU}" \
-    stable.monitor.num_experts=128 \
-    trainer.nnodes="${NNODES}" \
-    trainer.n_gpus_per_node="${GPUS_PER_NODE}" \
-    trainer.project_name="${PROJECT}" \
-    trainer.experiment_name="${EXPERIMENT}" \
-    trainer.logger='["console","wandb"]' \
-    trainer.val_before_train=False \
-    trainer.test_freq=10 \
-    trainer.save_freq=10 \
-    trainer.total_training_steps="${TOTAL_STEPS:-500}" \
     "$@"

@@ -32,42 +32,16 @@ ROLLOUT_TP=${ROLLOUT_TP:-1}
 ROLLOUT_QUANTIZATION=${ROLLOUT_QUANTIZATION:-null}
 GPU_MEMORY_UTILIZATION=${GPU_MEMORY_UTILIZATION:-0.6}
 
-PROJECT=${PROJECT:-verl_stable}
+NNODES=1
+LOGPROB_TOKENS_PER_GPU=${TRAIN_TOKENS_PER_GPU}
+NUM_EXPERTS=64
+TOTAL_STEPS=${TOTAL_STEPS:-300}
 EXPERIMENT=${EXPERIMENT:-small_moe_fsdp_${REGIME}_n${N}}
+source "${HERE}/_common.sh"
 
 python3 -m verl.trainer.main_ppo \
     --config-path="$(dirname "${HERE}")/fsdp" \
     --config-name="${REGIME}" \
-    data.train_files="${TRAIN_FILES}" \
-    data.val_files="${VAL_FILES}" \
-    data.train_batch_size="${TRAIN_BATCH_SIZE}" \
-    data.max_prompt_length="${MAX_PROMPT_LENGTH}" \
-    data.max_response_length="${MAX_RESPONSE_LENGTH}" \
-    data.filter_overlong_prompts=True \
-    data.truncation=error \
-    actor_rollout_ref.model.path="${MODEL_PATH}" \
-    actor_rollout_ref.model.use_remove_padding=True \
-    actor_rollout_ref.model.enable_gradient_checkpointing=True \
-    actor_rollout_ref.actor.strategy=fsdp2 \
-    actor_rollout_ref.actor.optim.lr=1e-6 \
-    actor_rollout_ref.actor.ppo_mini_batch_size="${MINI_BATCH_PROMPTS}" \
-    actor_rollout_ref.actor.ppo_max_token_len_per_gpu="${TRAIN_TOKENS_PER_GPU}" \
-    actor_rollout_ref.actor.fsdp_config.param_offload="${OFFLOAD}" \
-    actor_rollout_ref.actor.fsdp_config.optimizer_offload="${OFFLOAD}" \
-    actor_rollout_ref.rollout.name=vllm \
-    actor_rollout_ref.rollout.n="${GROUP_SIZE}" \
-    actor_rollout_ref.rollout.quantization="${ROLLOUT_QUANTIZATION}" \
-    actor_rollout_ref.rollout.tensor_model_parallel_size="${ROLLOUT_TP}" \
-    actor_rollout_ref.rollout.gpu_memory_utilization="${GPU_MEMORY_UTILIZATION}" \
-    actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu="${TRAIN_TOKENS_PER_GPU}" \
-    stable.monitor.num_experts=64 \
-    trainer.nnodes=1 \
-    trainer.n_gpus_per_node="${GPUS_PER_NODE}" \
-    trainer.project_name="${PROJECT}" \
-    trainer.experiment_name="${EXPERIMENT}" \
-    trainer.logger='["console","wandb"]' \
-    trainer.val_before_train=False \
-    trainer.test_freq=10 \
-    trainer.save_freq=10 \
-    trainer.total_training_steps="${TOTAL_STEPS:-300}" \
+    "${COMMON_ARGS[@]}" \
+    "${FSDP_ARGS[@]}" \
     "$@"

@@ -91,3 +91,43 @@ def test_mini_preset_end_to_end(tmp_path):
     assert cli.main(["--preset", "mini", "--out", str(out)], out=lines.append) == 0
     assert (run_dir / "metrics.jsonl").stat().st_mtime == mtime
     assert sweep.load_rows(out) == rows
+
+
+def test_parallel_sweep_overlaps_runs_and_keeps_preset_order(tmp_path, monkeypatch):
+    """jobs=2 starts the next run while one is going; outcomes and metrics.jsonl keep the preset's order."""
+    import io
+    import threading
+    import time
+
+    from verl_stable.lab.assets import Assets
+    from verl_stable.lab.coldstart import ColdStartResult
+    from verl_stable.lab.progress import ProgressBar
+
+    preset = sweep.Preset("t", runs=(("minirl", 1), ("minirl_r3", 4), ("vespo", 4)), steps=2)
+    assets = Assets(*(tmp_path / n for n in ("root", "model", "train.parquet", "val.parquet")))
+    cs = ColdStartResult(tmp_path / "model", expected_reward=0.4, initial_expected_reward=0.1, steps=0, cached=True)
+    monkeypatch.setattr(sweep, "prepare", lambda out, p: (assets, cs))
+    running, peak, lock = set(), [0], threading.Lock()
+    durations = {"minirl__N1__s0": 0.6, "minirl_r3__N4__s0": 0.1, "vespo__N4__s0": 0.1}
+
+    def fake_run_one(overrides, run_dir, steps, on_step, timeout_s):
+        with lock:
+            running.add(run_dir.name)
+            peak[0] = max(peak[0], len(running))
+        time.sleep(durations[run_dir.name])
+        _fake_run(run_dir, overrides, steps)
+        on_step(steps)
+        with lock:
+            running.discard(run_dir.name)
+        return 0, False
+
+    monkeypatch.setattr(sweep, "run_one", fake_run_one)
+    stream = io.StringIO()
+    outcomes = sweep.run_sweep(tmp_path / "out", preset, jobs=2, progress=ProgressBar(6, stream=stream))
+    assert peak[0] == 2
+    assert [o.spec.name for o in outcomes] == [s.name for s in preset.run_specs()]
+    rows = sweep.load_rows(tmp_path / "out")
+    assert [(r["variant"], r["step"]) for r in rows] == [(v, s) for v, _ in preset.runs for s in (1, 2)]
+    assert stream.getvalue().splitlines()[-1].startswith("[") and " 6/6 steps" in stream.getvalue()
+    with pytest.raises(ValueError, match="jobs must be >= 1"):
+        sweep.run_sweep(tmp_path / "out", preset, jobs=0)

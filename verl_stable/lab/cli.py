@@ -43,6 +43,7 @@ def main(argv: Sequence[str] | None = None, out=print) -> int:
     parser.add_argument("--precision", choices=("fp8", "bf16", "fp16", "fp32"), help="rollout precision")
     parser.add_argument("--only", nargs="+", help="run names starting with these (e.g. minirl_r3__N4)")
     parser.add_argument("--timeout", type=float, help="per-run wall-clock limit in seconds")
+    parser.add_argument("--jobs", type=int, help="runs at once (default: 2 on a host with >= 2 cores and 12 GiB)")
     parser.add_argument("--report-only", action="store_true", help="only re-render the report from --out")
     parser.add_argument("--list", action="store_true", help="list presets and variants, then exit")
     args = parser.parse_args(argv)
@@ -57,7 +58,7 @@ def main(argv: Sequence[str] | None = None, out=print) -> int:
         rows = sweep.load_rows(out_dir)
         failed = 0
     else:
-        outcomes = sweep.run_sweep(out_dir, preset, timeout_s=args.timeout, only=args.only)
+        outcomes = sweep.run_sweep(out_dir, preset, timeout_s=args.timeout, only=args.only, jobs=args.jobs)
         rows = [r for o in outcomes for r in o.rows]
         failed = 0
         for o in outcomes:
