@@ -1,5 +1,6 @@
 """The entry point: plain `import verl` registers verl-stable everywhere; `doctor` makes failures visible."""
 
+import os
 import subprocess
 import sys
 
@@ -26,6 +27,29 @@ def test_plugin_can_be_disabled_by_verl_policy():
     env = {"VERL_USE_EXTERNAL_PLUGINS": "none", "PATH": ""}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
     assert out.strip() == "False"
+
+
+def test_skip_steps_env_leaves_a_step_out_of_every_verl_process():
+    code = (
+        "import sys, verl\n"
+        "from verl_stable.integration import plugin\n"
+        "from verl.trainer.ppo import core_algos as ca\n"
+        "st = plugin.STATUS['fsdp_router_replay']\n"
+        "print(st.ok, st.registered, 'verl_stable.integration.fsdp_engine' in sys.modules, 'minirl' in ca.POLICY_LOSS_REGISTRY)\n"
+    )
+    env = {**os.environ, plugin.ENV_SKIP_STEPS: "fsdp_router_replay"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    assert out.strip().splitlines()[-1] == "True ['skipped (VERL_STABLE_SKIP_STEPS)'] False True"
+
+
+def test_skip_steps_env_with_a_typo_fails_doctor(monkeypatch):
+    monkeypatch.setenv(plugin.ENV_SKIP_STEPS, "fsdp_routerreplay")
+    monkeypatch.setattr(plugin, "STATUS", {})
+    with pytest.raises(ValueError, match="unknown steps \\['fsdp_routerreplay'\\]; known steps: cpu_runtime"):
+        plugin.skipped_steps()
+    lines: list[str] = []
+    assert cli.doctor(out=lines.append) == 1
+    assert "[FAIL] skip_steps" in "\n".join(lines)
 
 
 def test_doctor_passes_on_this_install():

@@ -114,6 +114,106 @@ def test_boundary_errors_and_configured_fallback():
         rollout.RolloutRoutingOptions(on_invalid="guess")
 
 
+def test_boundary_counters_travel_with_each_sample():
+    """Per-sample counters, checked against verl's own int16 layout for the bytes verl would have moved."""
+    rng = np.random.default_rng(4)
+    outputs = [agent_output(rng, 4, [1, 1, 1]), agent_output(rng, 6, [1, 1, 0, 0, 1, 0, 0])]
+    verl_bytes = [o.model_copy(deep=True).as_dict()["routed_experts"].numel() * 2 for o in outputs]
+    zeros = agent_output(rng, 3, [1, 1])
+    zeros.routed_experts[:] = 0
+    options = rollout.RolloutRoutingOptions(on_invalid="skip_sample")
+    stats = BoundaryStats()
+    dicts = [rollout.compact_agent_loop_output(o, LAYOUT, options, stats).as_dict() for o in (*outputs, zeros)]
+    columns = {name: i for i, name in enumerate(rollout.BOUNDARY_COLUMNS)}
+    counters = [d[rollout.BOUNDARY_FIELD] for d in dicts]
+    assert [c[columns["tokens"]] for c in counters] == [7, 13, 5]
+    assert [c[columns["recorded_rows"]] for c in counters] == [6, 10, 0]
+    assert [c[columns["skipped"]] for c in counters] == [0, 0, 1]
+    zero_code = rollout.BOUNDARY_ERRORS.index(ZeroRoutingError)
+    assert [c[columns["error_code"]] for c in counters] == [-1, -1, zero_code]
+    assert [c[columns["verl_bytes"]] for c in counters[:2]] == verl_bytes
+    for c, d in zip(counters, dicts, strict=True):  # uint8 ids + int64 span + the counters themselves
+        assert c[columns["bytes"]] == d[IDS_FIELD].numel() + 16 + 8 * len(rollout.BOUNDARY_COLUMNS)
+    assert stats.samples == 3 and stats.skipped_samples == 1 and stats.errors == {"ZeroRoutingError": 1}
+
+    batch = list_of_dict_to_tensordict(dicts)  # verl's stacking: equal shapes -> [B, 6]
+    metrics = rollout.transport_metrics(batch[rollout.BOUNDARY_FIELD])
+    prefix = rollout.TRANSPORT_METRIC_PREFIX
+    ids_bytes = [d[IDS_FIELD].numel() for d in dicts]
+    moved = sum(ids_bytes) + 3 * (16 + 48)
+    assert metrics == {
+        f"{prefix}samples": 3.0,
+        f"{prefix}skipped_samples": 1.0,
+        f"{prefix}recorded_rows": 16.0,
+        f"{prefix}missing_positions": 1.0 + 3.0,  # last token; last token + 2 tool tokens
+        f"{prefix}bytes": float(moved),
+        f"{prefix}verl_bytes": float(sum(verl_bytes) + 5 * 5 * 2 * 2),
+        f"{prefix}bytes_per_token": moved / 25,
+        f"{prefix}bytes_ratio": moved / (sum(verl_bytes) + 100),
+        f"{prefix}error/ZeroRoutingError": 1.0,
+    }
+    kept = rollout.transport_metrics(batch[rollout.BOUNDARY_FIELD], keep=[True, False, False])
+    assert kept[f"{prefix}samples"] == 1.0 and kept[f"{prefix}recorded_rows"] == 6.0
+    assert f"{prefix}error/ZeroRoutingError" not in kept
+    with pytest.raises(RowCountError, match="columns"):
+        rollout.transport_metrics(torch.zeros(2, 3, dtype=torch.int64))
+    with pytest.raises(RowCountError, match="keep has shape"):
+        rollout.transport_metrics(batch[rollout.BOUNDARY_FIELD], keep=[True])
+
+
+def test_trainer_fetches_transport_metrics_from_transfer_queue():
+    """The trainer-side read: one field from the store, verl's padding samples left out, nothing when absent."""
+    from transfer_queue import KVBatchMeta
+
+    rng = np.random.default_rng(5)
+    dicts = [rollout.compact_agent_loop_output(agent_output(rng, 4, [1, 1]), LAYOUT).as_dict() for _ in range(3)]
+    store = list_of_dict_to_tensordict(dicts)
+    calls = []
+
+    def kv_batch_get(keys, partition_id, select_fields):  # TransferQueue's read, the only stand-in
+        calls.append((tuple(keys), partition_id, tuple(select_fields)))
+        missing = [f for f in select_fields if f not in store.keys()]
+        if missing:
+            raise ValueError(f"fields {missing} not found")
+        return store.select(*select_fields)
+
+    meta = KVBatchMeta(keys=["a", "b", "c"], tags=[{}, {}, {"is_padding": True}], partition_id="train")
+    metrics = rollout.fetch_transport_metrics(meta, kv_batch_get)
+    assert calls == [(("a", "b", "c"), "train", (rollout.BOUNDARY_FIELD,))]
+    assert metrics[f"{rollout.TRANSPORT_METRIC_PREFIX}samples"] == 2.0
+    assert metrics[f"{rollout.TRANSPORT_METRIC_PREFIX}recorded_rows"] == 2 * 5.0
+    store = store.exclude(rollout.BOUNDARY_FIELD)
+    assert rollout.fetch_transport_metrics(meta, kv_batch_get) == {}
+
+
+def test_verl_padding_samples_get_no_routing():
+    """verl's V1 upsampling copies a real sample's fields onto a synthetic 128-token no-op sequence."""
+    from verl.trainer.ppo.padding_utils import SYNTHETIC_PADDING_SEQ_LEN, construct_minimal_padding_template
+
+    rng = np.random.default_rng(6)
+    output = agent_output(rng, 150, [1] * 20)  # longer than the synthetic sequence: its copied span overruns it
+    reference = output.model_copy(deep=True).as_dict()["routed_experts"]
+    real = rollout.compact_agent_loop_output(output, LAYOUT).as_dict()
+    real["input_ids"] = torch.cat([real["prompts"], real["responses"]])
+    real = {k: v for k, v in real.items() if isinstance(v, torch.Tensor)}
+    pad, _ = construct_minimal_padding_template(dict(real), {}, eos_token_id=2)
+    assert pad[SPAN_FIELD].tolist() == [0, 169]  # verl copied it as is
+    batch = list_of_dict_to_tensordict([real, pad])
+    trace = rollout.routing_trace_from_batch(batch, LAYOUT)
+    assert trace.lengths.tolist() == [170, SYNTHETIC_PADDING_SEQ_LEN]
+    assert not trace.sequence(1).valid_mask().any() and trace.sequence(0).valid_mask().all(dim=1).sum() == 169
+    assert rollout.expand_compact_routing(batch, LAYOUT)
+    got_real, got_pad = batch["routed_experts"].unbind()
+    assert torch.equal(got_real, reference)
+    assert got_pad.shape == (SYNTHETIC_PADDING_SEQ_LEN, 5, 2) and not got_pad.any()
+    # the same overrun on a sample that generated tokens is a real misalignment
+    broken = list_of_dict_to_tensordict([real, {**pad, "response_mask": torch.ones(1, dtype=torch.int64)}])
+    with pytest.raises(RowCountError, match="sample 1: routing covers positions up to 169 of its 128 tokens"):
+        rollout.expand_compact_routing(broken, LAYOUT)
+    with pytest.raises(RowCountError, match="sample 1"):
+        rollout.routing_trace_from_batch(broken.exclude("response_mask"), LAYOUT)
+
+
 def test_sglang_reader_fix_returns_vllm_layout():
     rng = np.random.default_rng(2)
     full = vllm_routing(rng, 5 + 3 - 1)
@@ -159,6 +259,7 @@ def test_manager_resolves_by_fqn_and_worker_postprocess_puts_compact_fields(monk
     asyncio.run(worker._agent_loop_postprocess(output, False, uid="u0", session_id=0, global_steps=1))
     fields = put["fields"]
     assert put["keys"] == ["u0_0_0"] and "routed_experts" not in fields.keys()
+    assert fields[rollout.BOUNDARY_FIELD][0, 1].item() == 6  # recorded rows, stored with the sample
     assert fields[SPAN_FIELD].tolist() == [[0, 6]]
     np.testing.assert_array_equal(fields[IDS_FIELD][0].numpy(), expected)
     assert worker.stable_routing_metrics()["stable/routing/samples"] == 1.0

@@ -4,12 +4,17 @@ verl imports this module from ``import verl`` in every process it starts (driver
 workers, rollout servers) and swallows any exception at DEBUG level. So this module never raises: each
 registration step is run in isolation, its outcome is recorded in :data:`STATUS`, and failures are logged
 at WARNING level. ``verl-stable doctor`` reads :data:`STATUS` and fails loudly when a step failed.
+
+``VERL_STABLE_SKIP_STEPS=name[,name...]`` (e.g. ``fsdp_router_replay``) leaves steps out in every process verl starts
+(the variable travels with Ray's environment when set before the driver starts): for comparing against an upstream
+verl that ships the same feature, or for isolating a problem. Skipped steps are recorded as such, never as failures.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -41,6 +46,18 @@ class StepStatus:
 
 STATUS: dict[str, StepStatus] = {}
 
+ENV_SKIP_STEPS = "VERL_STABLE_SKIP_STEPS"
+
+
+def skipped_steps() -> frozenset[str]:
+    """Step names listed in ``VERL_STABLE_SKIP_STEPS``; an unknown name raises (a typo must not pass silently)."""
+    names = frozenset(n.strip() for n in os.environ.get(ENV_SKIP_STEPS, "").split(",") if n.strip())
+    unknown = names - {name for name, _ in REGISTRATION_STEPS}
+    if unknown:
+        known = ", ".join(name for name, _ in REGISTRATION_STEPS)
+        raise ValueError(f"{ENV_SKIP_STEPS} names unknown steps {sorted(unknown)}; known steps: {known}")
+    return names
+
 
 def _run_step(name: str, module_name: str) -> StepStatus | None:
     partial = sys.modules.get(module_name)
@@ -59,7 +76,16 @@ def _run_step(name: str, module_name: str) -> StepStatus | None:
 
 def register_all() -> dict[str, StepStatus]:
     """Run every registration step (idempotent) and return the status of each."""
+    try:
+        skip = skipped_steps()
+    except ValueError as exc:
+        logger.warning("verl-stable: %s", exc)
+        STATUS["skip_steps"] = StepStatus("skip_steps", ENV_SKIP_STEPS, False, error=str(exc))
+        skip = frozenset()
     for name, module_name in REGISTRATION_STEPS:
+        if name in skip:
+            STATUS[name] = StepStatus(name, module_name, True, ["skipped (VERL_STABLE_SKIP_STEPS)"])
+            continue
         if name not in STATUS or not STATUS[name].ok:
             status = _run_step(name, module_name)
             if status is not None:
