@@ -23,6 +23,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from verl.plugin.platform import platform_manager
 from verl.utils import tensordict_utils as tu
 from verl.utils import torch_functional as verl_F
+from verl.utils.metric import AggregationType, Metric
 from verl.workers.config import EngineRouterReplayConfig, FSDPEngineConfig
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
@@ -142,8 +143,10 @@ def _run(engine, data, forward_only=True, loss=None):
 
 
 def _metric(metrics, name):
-    values = metrics[fe.METRIC_PREFIX + name]
-    return values if isinstance(values, list) else [values]
+    """The per-micro-batch values of one of our metrics, which reach verl as ``Metric`` objects."""
+    value = metrics[fe.METRIC_PREFIX + name]
+    assert isinstance(value, Metric), f"{name} must reach verl as a Metric, got {type(value).__name__}"
+    return value.values
 
 
 def _packed_trace(routed: torch.Tensor) -> RoutingTrace:
@@ -311,6 +314,68 @@ def test_r2_padded_update_with_other_micro_batches_replays_the_same_rows():
     assert _metric(metrics, "router_disagreement") == [0.0] * 4  # same weights: pi_old's routing is the router's
     assert _metric(metrics, "padding_rows") == [0.0] * 4  # one sample per micro-batch: no pad rows
     assert torch.allclose(out["log_probs"].values(), natural["log_probs"].values(), atol=1e-6)
+
+
+def test_r2_drift_per_mini_step_against_the_perturbed_router_by_hand():
+    # Two update mini-steps replaying the same pi_old routing; between them the last MoE layer's router is perturbed
+    # (as an optimizer step would). Layer 0 is untouched, so every hidden state entering layer 2 is what pi_old saw
+    # and the live router's choice there is top-k(h @ W'^T), computed here by hand.
+    model = _model()
+    recorded, _ = _run(_engine(model, mode="R2"), _batch(micro=4))
+    pi_old = recorded["routed_experts"].values().to(torch.long)
+    data = _batch(routed=recorded["routed_experts"].values(), micro=4)
+    engine = _engine(model, mode="R2")
+    _, step0 = _run(engine, data, False, _sum_logp_loss)
+    assert _metric(step0, "r2_drift") == [0.0]  # same weights as pi_old: no drift
+    assert _metric(step0, "r2_drift/layer_0") == _metric(step0, "r2_drift/layer_1") == [0.0]
+
+    gate = model.model.layers[2].mlp.gate
+    with torch.no_grad():
+        gate.weight.add_(0.05 * torch.randn(gate.weight.shape, generator=torch.Generator().manual_seed(9)))
+    hidden = []
+    handle = model.model.layers[2].mlp.register_forward_pre_hook(lambda _m, args: hidden.append(args[0].detach()))
+    try:
+        _, step1 = _run(engine, _batch(routed=recorded["routed_experts"].values(), micro=4), False, _sum_logp_loss)
+    finally:
+        handle.remove()
+    h = hidden[-1].reshape(-1, hidden[-1].shape[-1])
+    assert h.shape[0] == sum(LENGTHS)
+    live = torch.topk(h @ gate.weight.detach().T, TOPK, dim=-1).indices.sort(-1).values
+    differ = (live != pi_old[:, 2].sort(-1).values).any(-1)
+    drift_layer2 = differ.double().mean().item()
+    assert 0 < drift_layer2 < 1, "the perturbation should move some but not all routing decisions"
+    assert _metric(step1, "r2_drift/layer_0") == [0.0]
+    assert _metric(step1, "r2_drift/layer_1") == [pytest.approx(drift_layer2)]  # MoE-layer ordinal 1 = layer 2
+    assert _metric(step1, "r2_drift") == [pytest.approx(drift_layer2 / 2)]  # over (token, MoE layer) rows
+    assert _metric(step1, "router_disagreement") == _metric(step1, "r2_drift")
+    assert _metric(step1, "disagreement") == [0.0]  # the update still used pi_old's experts
+    assert step1[fe.METRIC_PREFIX + "r2_drift"].aggregation is AggregationType.MEAN
+
+
+def test_r3_and_observe_report_no_r2_drift():
+    model = _model()
+    routed = _random_routing(sum(LENGTHS), seed=10)
+    _, r3 = _run(_engine(model, mode="R3"), _batch(routed=routed, micro=4), False, _sum_logp_loss)
+    _, observed = _run(_engine(model, mode="disabled"), _batch(routed=routed, micro=4), False, _sum_logp_loss)
+    for metrics in (r3, observed):
+        assert _metric(metrics, "router_disagreement")[0] > 0.5
+        assert not any(key.startswith(fe.METRIC_PREFIX + "r2_drift") for key in metrics)
+
+
+def test_loss_extremes_are_relabelled_for_verls_per_mini_step_aggregation():
+    def loss_with_stats(model_output, data, dp_group=None):
+        loss, _ = _sum_logp_loss(model_output, data)
+        n = float(data["input_ids"].offsets()[-1])
+        stats = {"actor/stable/staleness/ratio_max": n, "actor/stable/staleness/ratio_mean": n, "actor/x_max": n}
+        return loss, Metric.from_dict(stats, aggregation=AggregationType.MEAN)  # what verl's ppo_loss hands back
+
+    _, metrics = _run(_engine(_model(), mode="disabled"), _batch(micro=2), False, loss_with_stats)
+    micro_tokens = [5.0 + 7.0, 3.0 + 6.0]
+    assert metrics["actor/stable/staleness/ratio_max"].aggregation is AggregationType.MAX
+    assert metrics["actor/stable/staleness/ratio_max"].values == micro_tokens
+    assert Metric.aggregate_dp([metrics["actor/stable/staleness/ratio_max"]]) == 12.0
+    assert metrics["actor/stable/staleness/ratio_mean"].aggregation is AggregationType.MEAN
+    assert metrics["actor/x_max"].aggregation is AggregationType.MEAN  # not ours: verl's choice is kept
 
 
 def test_replay_survives_gradient_checkpointing_recompute():
@@ -536,3 +601,79 @@ def test_e2e_disabled_shows_the_precision_mismatch(e2e_assets, tmp_path):
     for row in rows:
         assert _actor_metric(row, "disagreement") > 0.0  # bf16 rollout routed differently from fp32 training
         assert f"actor/{fe.METRIC_PREFIX}replayed_rows" not in row
+
+
+# ----------------------------------------------------------------------------------------------- upstream verl
+# A verl that replays routing in its own FSDP engine (verl 0.9.1 + patches/verl-0.9.1-fsdp-router-replay.diff): the
+# plugin must leave verl's engine in place, or every routing site would be recorded / replayed twice.
+def _patch_test_module():
+    import importlib
+
+    directory = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "patches")
+    if directory not in sys.path:
+        sys.path.insert(0, directory)  # what pytest's default (prepend) import mode does for that test file
+    return importlib.import_module("test_fsdp_router_replay_patch")
+
+
+patched_verl = _patch_test_module().patched_verl  # fixture: a copy of the installed verl with the diff applied
+
+
+def test_register_steps_aside_when_verl_ships_the_native_replay_module(monkeypatch):
+    engines = {b: dict(EngineRegistry._engines["language_model"][b]) for b in fe.BACKENDS}
+    monkeypatch.setattr(fe, "NATIVE_REPLAY_MODULE", "verl.utils.tensordict_utils")  # a module this verl has
+    assert fe.verl_has_native_replay()
+    assert fe.register() == ["skipped: verl has native FSDP router replay (verl.utils.tensordict_utils)"]
+    assert {b: EngineRegistry._engines["language_model"][b] for b in fe.BACKENDS} == engines
+    assert not any(isinstance(finder, fe._RegisterAfterImport) for finder in sys.meta_path)
+    monkeypatch.setattr(fe, "NATIVE_REPLAY_MODULE", "verl.utils.no_such_module_here")
+    assert not fe.verl_has_native_replay()
+    assert fe.register()[0].startswith("engine:language_model/")  # verl 0.9.1 as installed: our engine
+
+
+_NATIVE_CHECK = """
+import json, os, sys
+import verl  # loads verl-stable's plugin through verl's entry points, as every verl process does
+from verl_stable.integration import fsdp_engine as fe, plugin
+from verl.workers.engine.base import EngineRegistry
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+from verl_stable.cpu import engines
+
+engines.register(force=True)  # verl's engines on device cpu, as in a process that selected the CPU platform
+selected = {}
+for device, vendor in (("cuda", "nvidia"), ("cuda", "amd"), ("cpu", "cpu")):
+    os.environ["VERL_ENGINE_DEVICE"], os.environ["VERL_ENGINE_VENDOR"] = device, vendor
+    for backend in ("fsdp", "fsdp2"):
+        cls = EngineRegistry.get_engine_cls("language_model", backend)
+        selected[f"{backend}/{device}:{vendor}"] = f"{cls.__module__}.{cls.__qualname__}"
+status = plugin.STATUS["fsdp_router_replay"]
+print(json.dumps({
+    "verl_file": verl.__file__,
+    "engine_file": sys.modules[FSDPEngineWithLMHead.__module__].__file__,
+    "selected": selected,
+    "step_ok": status.ok,
+    "step_registered": status.registered,
+    "subclass_built": fe._ENGINE_CLASS is not None,
+    "registered_classes": sorted({c.__qualname__ for t in EngineRegistry._engines["language_model"].values()
+                                  for c in t.values()}),
+    "import_hook_left": any(isinstance(f, fe._RegisterAfterImport) for f in sys.meta_path),
+}))
+"""
+
+
+def test_plugin_leaves_verls_engine_in_place_on_a_verl_with_native_fsdp_replay(patched_verl):
+    env = dict(os.environ, PYTHONPATH=str(patched_verl), OMP_NUM_THREADS="1")
+    env.pop("VERL_USE_EXTERNAL_PLUGINS", None)  # "auto": verl loads the verl-stable plugin itself
+    proc = subprocess.run(
+        [sys.executable, "-c", _NATIVE_CHECK], env=env, cwd=patched_verl, capture_output=True, text=True, timeout=300
+    )
+    import json
+
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["verl_file"].startswith(str(patched_verl)) and result["engine_file"].startswith(str(patched_verl))
+    native = "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead"
+    assert set(result["selected"].values()) == {native}, result["selected"]
+    assert result["step_ok"]
+    assert result["step_registered"] == ["skipped: verl has native FSDP router replay (verl.utils.fsdp_router_replay)"]
+    assert not result["subclass_built"] and not result["import_hook_left"]
+    assert "FSDPEngineWithLMHeadReplay" not in result["registered_classes"]

@@ -333,3 +333,76 @@ def test_hydra_config_from_verl_yaml_reaches_the_loss():
     )
     assert torch.isfinite(loss) and metrics["actor/minirl/is_weight_mean"] == 1.0
     assert np.isclose(actor.clip_ratio_high, 0.2)  # verl's own default is untouched
+
+
+def _hand_staleness(log_prob, old, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH):
+    r = torch.exp(log_prob - old)[mask].double()
+    outside = (r > 1 + eps_high) | (r < 1 - eps_low)
+    return {
+        "ratio_mean": float(r.mean()),
+        "ratio_min": float(r.min()),
+        "ratio_max": float(r.max()),
+        "ratio_dev_max": float((r - 1).abs().max()),
+        "kl_k3": float((r - 1 - r.log()).mean()),
+        "frac_outside_trust_region": float(outside.double().mean()),
+    }
+
+
+@pytest.mark.parametrize("loss_mode", ["minirl", "vespo"])
+def test_staleness_metrics_through_verl_ppo_loss_by_hand(loss_mode):
+    log_prob, old, adv, mask, weights = ragged_batch(4)
+    data, model_output = ppo_data(log_prob, old, adv, mask, weights, global_tokens=None, global_batch=None)
+    _, metrics = ppo_loss(actor_config(loss_mode), model_output, data)
+    for name, value in _hand_staleness(log_prob, old, mask).items():
+        metric = metrics[losses.STALENESS_METRIC_PREFIX + name]
+        assert metric.values == [pytest.approx(value, rel=1e-9)], name
+    assert 0 < metrics["actor/stable/staleness/frac_outside_trust_region"].values[0] < 1
+
+    # pi_theta == pi_old (the first update mini-step of an on-policy step): no deviation at all
+    data, model_output = ppo_data(log_prob, log_prob.clone(), adv, mask, weights, global_tokens=None, global_batch=None)
+    _, metrics = ppo_loss(actor_config(loss_mode), model_output, data)
+    assert metrics["actor/stable/staleness/ratio_dev_max"].values == [0.0]
+    assert metrics["actor/stable/staleness/frac_outside_trust_region"].values == [0.0]
+
+
+def test_relabelled_extremes_are_exact_over_micro_batches_with_verls_aggregation():
+    from verl.utils.py_functional import append_to_dict
+
+    log_prob, old, adv, mask, weights = ragged_batch(5, batch=9)
+    collected: dict = {}
+    for rows in (slice(0, 2), slice(2, 7), slice(7, 9)):  # three micro-batches of one mini-step
+        data, out = ppo_data(
+            log_prob[rows], old[rows], adv[rows], mask[rows], weights[rows], global_tokens=None, global_batch=None
+        )
+        _, metrics = ppo_loss(actor_config("minirl"), out, data)
+        append_to_dict(collected, losses.relabel_stable_metrics(metrics))  # what the replay engine's forward_step does
+    whole = _hand_staleness(log_prob, old, mask)
+    per_micro = [_hand_staleness(log_prob[r], old[r], mask[r]) for r in (slice(0, 2), slice(2, 7), slice(7, 9))]
+    step = {key: Metric.aggregate_dp([value]) for key, value in collected.items()}  # verl's per-mini-step value
+    p = losses.STALENESS_METRIC_PREFIX
+    assert step[p + "ratio_max"] == pytest.approx(whole["ratio_max"])
+    assert step[p + "ratio_min"] == pytest.approx(whole["ratio_min"])
+    assert step[p + "ratio_dev_max"] == pytest.approx(whole["ratio_dev_max"])
+    # means stay verl's unweighted mean over micro-batches, like actor/pg_clipfrac
+    assert step[p + "ratio_mean"] == pytest.approx(np.mean([m["ratio_mean"] for m in per_micro]))
+    assert step["actor/pg_clipfrac"] == pytest.approx(
+        np.mean(collected["actor/pg_clipfrac"].values)
+    )  # verl's own metrics are untouched
+    assert collected["actor/pg_clipfrac"].aggregation.value == "mean"
+
+
+def test_stable_metric_aggregation_and_relabel_errors():
+    agg = losses.stable_metric_aggregation
+    assert agg("actor/stable/staleness/ratio_max").value == "max"
+    assert agg("stable/routing/r2_drift").value == "mean"
+    assert agg("stable/x/ratio_min").value == "min"
+    assert agg("actor/pg_clipfrac") is None and agg("actor/minirl/ratio_max") is None
+    metrics = {"stable/routing/r2_drift": 0.25, "actor/ppo_kl": 1.0}
+    losses.relabel_stable_metrics(metrics)
+    drift = metrics["stable/routing/r2_drift"]
+    assert isinstance(drift, Metric) and drift.values == [0.25]
+    assert metrics["actor/ppo_kl"] == 1.0
+    two = Metric("mean")
+    two.extend([1.0, 2.0])
+    with pytest.raises(ValueError, match="holds 2 values"):
+        losses.relabel_stable_metrics({"actor/stable/staleness/ratio_max": two})

@@ -13,6 +13,7 @@ from hydra import compose, initialize_config_dir
 from verl.trainer.ppo.v1 import get_trainer_cls
 from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+from verl.utils import tensordict_utils as tu
 from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 from verl.workers.utils.padding import response_to_nested
 
@@ -250,3 +251,99 @@ def test_registration_waits_for_verls_trainer_package_in_a_fresh_process():
     first, last = out.strip().splitlines()[-2:]
     assert "trainer:stable_sync (on import of verl.trainer.ppo.v1)" in first
     assert last.startswith("StablePPOTrainerColocateAsync PPOTrainerColocateAsync ['trainer:stable_sync'")
+
+
+def test_per_update_metrics_split_verls_per_mini_step_lists():
+    raw = {
+        "actor/stable/staleness/ratio_dev_max": [0.0, 0.25, 0.5],
+        "actor/stable/staleness/frac_outside_trust_region": [0.0, 0.1, 0.2],
+        "stable/routing/r2_drift": [0.0, 0.05, 0.125],  # the engine's keys reach the driver without "actor/"
+        "stable/routing/compared_rows": [10.0, 10.0, 10.0],  # not a per-update metric
+        "actor/pg_loss": [1.0, 2.0, 3.0],
+        "actor/stable/staleness/ratio_mean": 1.0,  # not a list: nothing to split
+    }
+    out, count = T.per_update_metrics(raw, first_update=2)
+    assert count == 3
+    assert out == {
+        "stable/staleness/update_2/ratio_dev_max": 0.0,
+        "stable/staleness/update_3/ratio_dev_max": 0.25,
+        "stable/staleness/update_4/ratio_dev_max": 0.5,
+        "stable/staleness/update_2/frac_outside_trust_region": 0.0,
+        "stable/staleness/update_3/frac_outside_trust_region": 0.1,
+        "stable/staleness/update_4/frac_outside_trust_region": 0.2,
+        "stable/routing/update_2/r2_drift": 0.0,
+        "stable/routing/update_3/r2_drift": 0.05,
+        "stable/routing/update_4/r2_drift": 0.125,
+    }
+    assert T.per_update_metrics({"actor/pg_loss": [1.0]}) == ({}, 0)
+    with pytest.raises(ValueError, match="disagree on the number of mini-steps"):
+        T.per_update_metrics({"stable/routing/r2_drift": [0.0], "actor/stable/staleness/kl_k3": [0.0, 1.0]})
+    with pytest.raises(ValueError, match="not a number"):
+        T.per_update_metrics({"stable/routing/r2_drift": [[0.0, 1.0]]})
+
+
+class _ActorWorkerGroup:
+    """Stands in for verl's remote actor worker group: answers ``update_actor`` as verl's worker lays it out."""
+
+    def __init__(self, metrics):
+        self.metrics = metrics
+        self.calls = 0
+
+    def update_actor(self, batch):
+        self.calls += 1
+        return tu.get_tensordict(
+            tensor_dict={}, non_tensor_dict={"metrics": {k: list(v) for k, v in self.metrics.items()}}
+        )
+
+
+def test_update_actor_logs_one_value_per_mini_step_next_to_verls_reduction(sync_trainer):
+    from transfer_queue import KVBatchMeta
+
+    group = _ActorWorkerGroup(
+        {
+            "actor/stable/staleness/ratio_dev_max": [1e-7, 0.5],
+            "stable/routing/r2_drift": [0.0, 0.25],
+            "actor/pg_loss": [1.0, 3.0],
+            "mfu": [0.1, 0.1],
+        }
+    )
+    sync_trainer.actor_rollout_wg = group
+    sync_trainer._stable_updates_in_step = 0
+    metrics = {}
+    for _ in range(2):  # two local updates in one logged step (an async mode's parameter_sync_step = 2)
+        sync_trainer._update_actor(KVBatchMeta(partition_id="train", keys=["a"], tags=[{}]), metrics)
+    assert sync_trainer.actor_rollout_wg is group and group.calls == 2  # the tap is gone again
+    assert metrics["stable/staleness/update_0/ratio_dev_max"] == 1e-7
+    assert metrics["stable/staleness/update_1/ratio_dev_max"] == 0.5
+    assert metrics["stable/routing/update_3/r2_drift"] == 0.25
+    assert sync_trainer._stable_updates_in_step == 4
+    # verl's own reduction of the same lists is still logged, by verl's rules (max for *max*, else mean)
+    assert metrics["actor/stable/staleness/ratio_dev_max"] == 0.5
+    assert metrics["actor/stable/routing/r2_drift"] == pytest.approx(0.125)
+    assert metrics["actor/pg_loss"] == 2.0
+    sync_trainer._stable_state().step(7, None, metrics)
+    assert metrics["stable/routing/r2_drift"] == pytest.approx(0.125) and "actor/stable/routing/r2_drift" not in metrics
+
+
+def test_per_update_metrics_can_be_switched_off(registered, tmp_path):
+    from transfer_queue import KVBatchMeta
+
+    cfg = _config("trainer.v1.trainer_mode=stable_sync", "+stable.monitor.per_update=false")
+    trainer = get_trainer_cls("stable_sync")(cfg)
+    trainer.actor_rollout_wg = _ActorWorkerGroup({"stable/routing/r2_drift": [0.0, 0.25], "mfu": [0.1, 0.1]})
+    metrics = {}
+    trainer._update_actor(KVBatchMeta(partition_id="train", keys=["a"], tags=[{}]), metrics)
+    assert not any("/update_" in k for k in metrics) and metrics["actor/stable/routing/r2_drift"] == 0.125
+
+
+@pytest.mark.parametrize("mode", ["stable_sync", "stable_colocate_async", "stable_separate_async"])
+def test_every_registered_trainer_has_the_hooks_over_verls_trainer_of_its_mode(registered, mode):
+    cls = get_trainer_cls(mode)
+    base_mode = mode.removeprefix("stable_")
+    module_name, class_name = T.BASE_TRAINERS[base_mode]
+    base = getattr(__import__(module_name, fromlist=[class_name]), class_name)
+    assert cls.__mro__[1] is T.StabilityMonitorMixin and cls.__mro__[2] is base
+    for hook in ("_compute_metrics", "_update_actor", "step", "fit"):
+        assert getattr(cls, hook) is getattr(T.StabilityMonitorMixin, hook), hook
+        assert hasattr(base, hook), f"verl's {class_name} has no {hook}: the hook would never run"
+    assert cls._stable_base_mode == base_mode

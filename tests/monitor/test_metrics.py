@@ -108,8 +108,70 @@ def test_staleness_ratio_and_trust_region():
     assert out["stable/staleness/frac_below"] == pytest.approx(1 / 5)
     assert out["stable/staleness/frac_above"] == pytest.approx(1 / 5)
     assert out["stable/staleness/frac_outside_trust_region"] == pytest.approx(2 / 5)
+    assert out["stable/staleness/ratio_dev_max"] == pytest.approx(0.3)
+    nan_token = M.staleness_metrics(
+        torch.cat([logp_theta, torch.tensor([[math.nan]])], 1), torch.zeros(1, 6), torch.ones(1, 6)
+    )
+    assert nan_token["stable/staleness/nonfinite_frac"] == pytest.approx(1 / 6)
+    assert nan_token["stable/staleness/ratio_max"] == pytest.approx(1.3)
     with pytest.raises(ValueError, match="eps_low"):
         M.staleness_metrics(logp_theta, logp_old, torch.ones(1, 5), eps_low=1.5)
+
+
+def test_staleness_statistics_by_hand_ignore_masked_positions():
+    # r = 0.5, 1.1, 2.0 on valid tokens; the masked positions hold extreme and NaN values that must not count
+    logp_old = torch.tensor([[0.0, 0.0, 0.0], [0.0, -1.0, 0.0]])
+    logp_theta = torch.tensor([[math.log(0.5), math.log(1.1), 80.0], [math.log(2.0), math.nan, -80.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    stats = M.staleness_statistics(logp_theta, logp_old, mask, eps_low=0.2, eps_high=0.27)
+    assert tuple(stats) == M.STALENESS_NAMES
+    assert all(v.dim() == 0 and v.dtype == torch.float64 for v in stats.values())
+    r = [0.5, 1.1, 2.0]
+    d = [math.log(x) for x in r]
+    expected = {
+        "ratio_mean": sum(r) / 3,
+        "ratio_min": 0.5,
+        "ratio_max": 2.0,
+        "ratio_dev_max": 1.0,  # max(|0.5 - 1|, |1.1 - 1|, |2 - 1|)
+        "log_ratio_abs_mean": sum(abs(x) for x in d) / 3,
+        "kl_k3": sum(x - 1 - math.log(x) for x in r) / 3,
+        "frac_above": 1 / 3,  # 2.0 > 1.27
+        "frac_below": 1 / 3,  # 0.5 < 0.8
+        "frac_outside_trust_region": 2 / 3,
+    }
+    for name, value in expected.items():
+        assert float(stats[name]) == pytest.approx(value, rel=1e-6), name
+    # ratio_min / max are over valid tokens only, not padded with the neutral 1
+    above_one = M.staleness_statistics(torch.tensor([[0.5, 0.2]]), torch.zeros(1, 2), torch.ones(1, 2))
+    assert float(above_one["ratio_min"]) == pytest.approx(math.exp(0.2))
+    assert float(above_one["ratio_dev_max"]) == pytest.approx(math.exp(0.5) - 1)
+
+
+def test_staleness_on_policy_and_empty_mask_are_neutral():
+    logp = torch.tensor([[-0.3, -2.0, -1.0]])
+    on_policy = M.staleness_statistics(logp, logp.clone(), torch.ones(1, 3))
+    empty = M.staleness_statistics(logp, logp + 5, torch.zeros(1, 3))
+    no_tokens = M.staleness_statistics(torch.zeros(2, 0), torch.zeros(2, 0), torch.zeros(2, 0))
+    neutral = {"ratio_mean": 1.0, "ratio_min": 1.0, "ratio_max": 1.0, "ratio_dev_max": 0.0, "kl_k3": 0.0}
+    for stats in (on_policy, empty, no_tokens):
+        assert set(stats) == set(M.STALENESS_NAMES)
+        for name, value in neutral.items():
+            assert float(stats[name]) == value, name
+        assert float(stats["frac_outside_trust_region"]) == 0.0
+    # the float version skips an empty mask instead
+    assert M.staleness_metrics(logp, logp + 5, torch.zeros(1, 3)) == {}
+
+
+def test_staleness_ratio_is_clamped_finite():
+    stats = M.staleness_statistics(torch.tensor([[0.0, 0.0]]), torch.tensor([[-1000.0, 1000.0]]), torch.ones(1, 2))
+    assert all(math.isfinite(float(v)) for v in stats.values())
+    assert float(stats["ratio_max"]) == pytest.approx(math.exp(M.STALENESS_LOG_RATIO_BOUND))
+    with pytest.raises(ValueError, match="eps_low"):
+        M.staleness_statistics(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), eps_low=1.0)
+    with pytest.raises(ValueError, match="floating point"):
+        M.staleness_statistics(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2), torch.ones(1, 2))
+    with pytest.raises(ValueError, match=r"shape \(1, 3\)"):
+        M.staleness_statistics(torch.zeros(1, 2), torch.zeros(1, 3), torch.ones(1, 2))
 
 
 def test_entropy_mean_over_valid_tokens_only():

@@ -26,13 +26,25 @@ Replay replaces only the expert selection; gate weights are recomputed by the fa
 output (:mod:`verl_stable.routing`), so the router is trained. The replay context stays open across the
 micro-batch's backward, so gradient-checkpointing recompute routes the same way.
 
-Metrics (averaged over micro-batches, logged as ``actor/stable/routing/...`` by verl's update):
+Metrics, per micro-batch (logged as ``actor/stable/routing/...`` by verl's update; the monitored trainers move them
+to ``stable/routing/...`` and add one value per update mini-step):
 
 * ``stable/routing/disagreement``: fraction of (token, MoE layer) rows with routing data whose *used* expert set
   differs from the reference routing (rollout in R3 / observe, pi_old in R2). 0 under replay by construction.
 * ``stable/routing/router_disagreement``: the same for the experts the router *would* have chosen: the numeric
   mismatch replay is hiding (rollout vs training precision in R3, policy drift since pi_old in R2).
-* ``stable/routing/replayed_rows``, ``missing_rows``, ``padding_rows``, ``recorded_rows``: row counts.
+* ``stable/routing/r2_drift`` (R2 update passes only): ``router_disagreement`` under its R2 meaning, the fraction of
+  compared rows where the live router's top-k set differs from the pi_old routing recorded by ``compute_log_prob``
+  and replayed in this mini-step; ``stable/routing/r2_drift/layer_{i}`` per MoE layer (i = MoE-layer ordinal).
+  0 in the first mini-step of an on-policy step (same weights as pi_old), growing as the update moves the policy.
+* ``stable/routing/compared_rows``, ``replayed_rows``, ``missing_rows``, ``padding_rows``, ``recorded_rows``: row
+  counts.
+
+Aggregation. ``forward_step`` hands every ``stable/...`` metric (ours and the staleness metrics of the
+``minirl`` / ``vespo`` losses) to verl as a :class:`verl.utils.metric.Metric` (see
+:func:`verl_stable.integration.losses.relabel_stable_metrics`): verl then reduces them to one value per update
+mini-step (the unweighted mean over micro-batches and data-parallel ranks; ``*_max`` / ``*_min`` keys the true
+extreme), where plain numbers would only be concatenated across mini-steps.
 """
 
 from __future__ import annotations
@@ -51,6 +63,7 @@ import torch
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 
+from verl_stable.integration.losses import relabel_stable_metrics
 from verl_stable.integration.rollout import expand_compact_routing
 from verl_stable.routing import alignment
 from verl_stable.routing.disagreement import expert_sets_differ
@@ -389,6 +402,8 @@ class RouterReplayMixin:
         if replay_pass is not None and replay_pass.metrics:
             metrics = output.setdefault("metrics", {})
             metrics.update({METRIC_PREFIX + key: value for key, value in replay_pass.metrics.items()})
+        if output.get("metrics"):
+            relabel_stable_metrics(output["metrics"])
         return loss, output
 
     # ------------------------------------------------------------------------------------------- alignment
@@ -475,6 +490,11 @@ class RouterReplayMixin:
             "missing_rows": float(has_data.numel() - compared),
             "padding_rows": float((~token_rows).sum()) * target.shape[1],
         }
+        if replay_pass.action is ReplayAction.REPLAY and self.router_replay_mode == "R2":
+            # the update replays pi_old's routing: the router's own choice is how far routing drifted since pi_old
+            metrics["r2_drift"] = metrics["router_disagreement"]
+            per_layer = r2_drift_per_layer(natural, target, has_data)
+            metrics.update({f"r2_drift/layer_{i}": value for i, value in enumerate(per_layer)})
         if replay_pass.action is ReplayAction.REPLAY:
             used, _ = _last_forward_rows(replay_pass.used)
             used = used[token_rows].to(torch.long)
@@ -484,6 +504,21 @@ class RouterReplayMixin:
         else:
             metrics["disagreement"] = metrics["router_disagreement"]
         return metrics
+
+
+def r2_drift_per_layer(natural: torch.Tensor, recorded: torch.Tensor, has_data: torch.Tensor) -> list[float]:
+    """Per MoE layer, the fraction of rows with data where the router's top-k set differs from the recorded one.
+
+    ``drift_l = sum_n 1[set(natural[n, l]) != set(recorded[n, l])] * has_data[n, l] / max(sum_n has_data[n, l], 1)``.
+
+    Args:
+        natural: ``[rows, moe_layers, top_k]`` expert ids the live router chose.
+        recorded: ``[rows, moe_layers, top_k]`` pi_old's recorded (replayed) ids.
+        has_data: ``[rows, moe_layers]`` bool, rows that carry recorded routing.
+    """
+    differ = (expert_sets_differ(natural, recorded) & has_data).sum(dim=0).double()
+    compared = has_data.sum(dim=0).clamp(min=1).double()
+    return (differ / compared).tolist()
 
 
 # ----------------------------------------------------------------------------------------------- registration
@@ -547,13 +582,38 @@ def register_engine() -> list[str]:
     return done
 
 
+# The module an upstream verl with its own FSDP router replay ships (patches/verl-0.9.1-fsdp-router-replay.diff).
+NATIVE_REPLAY_MODULE = "verl.utils.fsdp_router_replay"
+
+
+def verl_has_native_replay() -> bool:
+    """Whether the installed verl replays MoE routing in its FSDP engine itself (it ships ``NATIVE_REPLAY_MODULE``).
+
+    ``find_spec`` locates the module without importing it; only its parent package ``verl.utils`` is imported.
+    """
+    from importlib.util import find_spec  # local: the imports above belong to the engine code
+
+    try:
+        return find_spec(NATIVE_REPLAY_MODULE) is not None
+    except ModuleNotFoundError:  # no verl.utils at all: not a verl we can step aside for
+        return False
+
+
 def register() -> list[str]:
     """Plugin step: select the replay-capable FSDP engine for cuda (nvidia, amd) and cpu.
 
     Registers at once when verl's engine package is already imported, else right after it is (importing it here
     would cost seconds in every process verl starts). Returns what is (or will be) registered.
+
+    Steps aside when verl already replays routing in its own FSDP engine (it has ``NATIVE_REPLAY_MODULE``):
+    our subclass on top of verl's replaying engine would record / replay every routing site twice. verl's own
+    engine then serves ``router_replay.mode`` unchanged, and the returned entry says the step was skipped.
     """
     global _hook
+    if verl_has_native_replay():
+        if _hook is not None and _hook in sys.meta_path:
+            sys.meta_path.remove(_hook)
+        return [f"skipped: verl has native FSDP router replay ({NATIVE_REPLAY_MODULE})"]
     if "verl.workers.engine" in sys.modules:
         return register_engine()
     if _hook is None or _hook not in sys.meta_path:

@@ -7,6 +7,21 @@ actor config, run the pure-torch loss, aggregate with verl's own ``agg_loss`` an
 return scalar metrics under verl's names (``actor/pg_clipfrac``, ``actor/ppo_kl``) and ours
 (``actor/minirl/...``, ``actor/vespo/...``).
 
+Staleness. Both losses also return the pi_theta / pi_old statistics of
+:func:`verl_stable.monitor.metrics.staleness_statistics` as ``actor/stable/staleness/<name>``, with the trust region
+``eps_low, eps_high = clip_ratio_low, clip_ratio_high`` (VESPO has no trust region of its own: verl's clip ratios
+only define the fraction reported outside it). How verl 0.9.1 turns them into logged numbers:
+
+1. ``ppo_loss`` wraps every loss metric in ``Metric(MEAN)``; within one update mini-step the engine collects the
+   micro-batches' values, so a mini-step's value is the unweighted mean over its micro-batches and data-parallel
+   ranks (``Metric.aggregate_dp``). The replay engine (:mod:`verl_stable.integration.fsdp_engine`) re-labels our
+   ``*_max`` / ``*_min`` keys as ``Metric(MAX / MIN)`` (:func:`stable_metric_aggregation`), so those are true
+   extremes over the mini-step; under another engine they stay micro-batch means.
+2. ``train_mini_batch`` returns one value per mini-step (epochs x mini-batches, in order); the trainer reduces the
+   list with ``reduce_metrics`` (max if the key contains ``max``, min if ``min``, else mean) and logs
+   ``actor/stable/staleness/<name>``. The monitored trainers (:mod:`verl_stable.integration.trainer`) log the
+   per-mini-step values too.
+
 Where the extra hyperparameters live
 ------------------------------------
 The trust region of ``minirl`` is verl's own ``actor.clip_ratio_low`` / ``actor.clip_ratio_high``. The other
@@ -26,16 +41,22 @@ verl keeps working, since the subclass only adds fields.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
 from verl.base_config import BaseConfig
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, agg_loss, register_policy_loss
+from verl.utils.metric import AggregationType, Metric
 from verl.workers.config import PolicyLossConfig
 
 from verl_stable.algos.minirl import minirl_policy_loss
+from verl_stable.algos.token_batch import PolicyLossTerms
 from verl_stable.algos.vespo import VespoKernel, vespo_policy_loss
+from verl_stable.monitor.metrics import STALENESS, staleness_statistics
+
+#: Prefix of the staleness metrics the losses return (verl logs them as is; the monitor moves them to ``stable/``).
+STALENESS_METRIC_PREFIX = f"actor/{STALENESS}/"
 
 _AGG_KEYS = ("dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor")
 
@@ -138,6 +159,61 @@ def _clip_ratios(config: Any) -> tuple[float, float]:
     return float(low), float(high)
 
 
+def with_staleness(
+    terms: PolicyLossTerms,
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    trust_region: tuple[float, float],
+) -> PolicyLossTerms:
+    """``terms`` with the staleness statistics of this micro-batch added as ``actor/stable/staleness/<name>``.
+
+    They stay 0-d tensors, read back with the loss's own metrics in one transfer by ``terms.scalars()``.
+    """
+    stats = staleness_statistics(log_prob, old_log_prob, response_mask, *trust_region)
+    metrics = {**terms.metrics, **{STALENESS_METRIC_PREFIX + name: value for name, value in stats.items()}}
+    return replace(terms, metrics=metrics)
+
+
+def stable_metric_aggregation(key: str) -> AggregationType | None:
+    """How a verl-stable metric should combine over micro-batches; ``None`` for keys that are not ours.
+
+    Keys under ``stable/`` (after an optional ``actor/``) ending in ``_max`` combine with MAX, ``_min`` with MIN,
+    anything else with MEAN -- consistent with verl's ``reduce_metrics``, which reduces the per-mini-step list by
+    the same names.
+    """
+    name = key.removeprefix("actor/")
+    if not name.startswith("stable/"):
+        return None
+    if name.endswith("_max"):
+        return AggregationType.MAX
+    if name.endswith("_min"):
+        return AggregationType.MIN
+    return AggregationType.MEAN
+
+
+def relabel_stable_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Give our metrics of one micro-batch the aggregation of :func:`stable_metric_aggregation`, in place.
+
+    verl's ``ppo_loss`` wraps every loss metric in ``Metric(MEAN)`` (a loss cannot choose); a micro-batch holds
+    one value per key, so re-labelling it is exact. Plain numbers become :class:`Metric` too, so that verl's
+    ``train_mini_batch`` reduces them to one value per mini-step (plain lists are only concatenated).
+
+    Raises:
+        ValueError: If one of our keys holds a metric with several values (already aggregated elsewhere).
+    """
+    for key, value in list(metrics.items()):
+        aggregation = stable_metric_aggregation(key)
+        if aggregation is None:
+            continue
+        values = value.values if isinstance(value, Metric) else [value]
+        if len(values) != 1:
+            raise ValueError(f"metric {key!r} holds {len(values)} values; expected one per micro-batch")
+        if not (isinstance(value, Metric) and value.aggregation is aggregation):
+            metrics[key] = Metric(aggregation=aggregation, value=values[0])
+    return metrics
+
+
 def aggregate_token_loss(
     loss_mat: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode: str, global_batch_info: Mapping | None
 ) -> torch.Tensor:
@@ -198,6 +274,7 @@ def compute_policy_loss_minirl(
         clip_ratio_low=clip_low,
         clip_ratio_high=clip_high,
     )
+    terms = with_staleness(terms, log_prob, old_log_prob, response_mask, (clip_low, clip_high))
     loss = aggregate_token_loss(terms.loss_mat, response_mask, loss_agg_mode, _get(config, "global_batch_info"))
     return loss, terms.scalars()
 
@@ -228,6 +305,7 @@ def compute_policy_loss_vespo(
         c2_neg=float(options.c2_neg),
     )
     terms = vespo_policy_loss(log_prob, old_log_prob, advantages, response_mask, rollout_is_weights, kernel=kernel)
+    terms = with_staleness(terms, log_prob, old_log_prob, response_mask, _clip_ratios(config))
     loss = aggregate_token_loss(terms.loss_mat, response_mask, loss_agg_mode, _get(config, "global_batch_info"))
     return loss, terms.scalars()
 

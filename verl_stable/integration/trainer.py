@@ -29,12 +29,21 @@ not): in a recipe YAML next to ``defaults: [ppo_trainer, _self_]``, or ``+stable
 
     stable:
       monitor: {enable: true, taus: [2, 5], entropy_window: 5, routing_interval: 1,
-                num_experts: null, train_routing_field: null}
+                num_experts: null, train_routing_field: null, per_update: true}
       guard:   {enable: true, rules: {...}}        # see Guard.from_config
 
-Staleness (pi_theta / pi_old) exists only inside the actor's mini-steps: a policy loss that returns
-:func:`~verl_stable.monitor.metrics.staleness_metrics` in its metrics dict gets them logged by verl as
-``actor/stable/staleness/...``; the mixin moves every ``actor/stable/...`` key to ``stable/...``.
+Metrics from inside the update. Staleness (pi_theta / pi_old) exists only inside the actor's mini-steps: the
+``minirl`` / ``vespo`` losses return it (:mod:`verl_stable.integration.losses`) and the replay engine returns its
+routing metrics (:mod:`verl_stable.integration.fsdp_engine`); verl logs both as ``actor/stable/...``, reduced over
+the step's update mini-steps by verl's ``reduce_metrics`` (max for keys containing ``max``, min for ``min``, else
+mean). The mixin *moves* every ``actor/stable/...`` key to ``stable/...`` (one name per quantity: all of ours live
+under ``stable/``, and a guard rule or dashboard never has to know which process computed a metric). It also taps
+verl's unreduced update output (one value per mini-step, see :func:`per_update_metrics`) and logs, for the
+metrics of :data:`PER_UPDATE_METRICS`, ``stable/<group>/update_<i>/<name>`` for the i-th update mini-step of the
+logged step (counted over ``ppo_epochs`` and, in the async modes, over the ``parameter_sync_step`` local updates).
+``update_0`` of an on-policy step runs on the weights that computed pi_old, so its staleness is ~0 and its R2 drift
+0; later updates show how far the policy and its routing moved. (``update`` rather than ``mini_step``: verl reduces
+metrics by substring, and ``mini_step`` contains ``min``.)
 """
 
 from __future__ import annotations
@@ -85,6 +94,7 @@ class MonitorConfig:
         num_experts: routed experts per MoE layer (inferred from the ids when ``None``: a lower bound).
         train_routing_field: TransferQueue field with the training engine's routing, laid out like
             ``routed_experts``; when present, rollout-vs-training disagreement is logged.
+        per_update: log ``stable/<group>/update_<i>/<name>`` for each update mini-step (:data:`PER_UPDATE_METRICS`).
     """
 
     enable: bool = True
@@ -93,6 +103,7 @@ class MonitorConfig:
     routing_interval: int = 1
     num_experts: int | None = None
     train_routing_field: str | None = None
+    per_update: bool = True
 
     def __post_init__(self) -> None:
         if self.entropy_window < 2:
@@ -306,6 +317,75 @@ class StepMonitor:
             logger.warning("verl-stable: %s", message)
 
 
+#: Metrics logged once per update mini-step (their verl key is ``actor/<name>``, or ``<name>`` from the engine).
+PER_UPDATE_METRICS: tuple[str, ...] = (
+    *(f"{M.STALENESS}/{name}" for name in M.STALENESS_NAMES),
+    f"{M.ROUTING}/r2_drift",
+    f"{M.ROUTING}/router_disagreement",
+    f"{M.ROUTING}/disagreement",
+)
+
+
+def per_update_metrics(
+    raw: Mapping[str, Any], first_update: int = 0, names: Sequence[str] = PER_UPDATE_METRICS
+) -> tuple[dict[str, float], int]:
+    """Split verl's unreduced ``update_actor`` metrics into one value per update mini-step.
+
+    verl 0.9.1's ``TrainingWorker.train_mini_batch`` returns, for every metric that reached it as a ``Metric``
+    (all loss metrics, and the replay engine's), a list with one value per mini-step (``ppo_epochs`` x mini-batches,
+    in order), each the aggregate over that mini-step's micro-batches and data-parallel ranks. For each metric
+    ``<group>/<name>`` in ``names`` present as such a list, this returns ``<group>/update_<first_update + i>/<name>``.
+
+    Args:
+        raw: the ``metrics`` of ``update_actor``'s output, keys as the worker wrote them (``actor/`` prefix or not).
+        first_update: index of the first of these mini-steps within the logged step.
+        names: the metrics to split, without the ``actor/`` prefix.
+
+    Returns:
+        The per-update metrics and the number of mini-steps seen (0 when none of ``names`` is present).
+
+    Raises:
+        ValueError: If the metrics disagree on the number of mini-steps, or a value is not a number.
+    """
+    wanted = set(names)
+    out: dict[str, float] = {}
+    lengths: dict[str, int] = {}
+    for key, values in raw.items():
+        name = key.removeprefix("actor/")
+        if name not in wanted or not isinstance(values, (list, tuple)):
+            continue
+        group, leaf = name.rsplit("/", 1)
+        lengths[name] = len(values)
+        for i, value in enumerate(values):
+            if not isinstance(value, (int, float, np.number)):
+                raise ValueError(f"update metric {key!r} holds a {type(value).__name__} at mini-step {i}, not a number")
+            out[f"{group}/update_{first_update + i}/{leaf}"] = float(value)
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"update metrics disagree on the number of mini-steps: {lengths}")
+    return out, next(iter(lengths.values()), 0)
+
+
+class _UpdateOutputTap:
+    """Stands in for the actor worker group during one ``_update_actor`` call and keeps verl's raw update metrics.
+
+    Every attribute but ``update_actor`` is the worker group's own.
+    """
+
+    def __init__(self, worker_group: Any) -> None:
+        self.worker_group = worker_group
+        self.raw: dict[str, Any] | None = None
+
+    def update_actor(self, *args: Any, **kwargs: Any) -> Any:
+        output = self.worker_group.update_actor(*args, **kwargs)
+        metrics = output["metrics"]
+        # verl reduces a renamed copy; snapshot the lists anyway, so nothing downstream can change what we read
+        self.raw = {k: list(v) if isinstance(v, list) else v for k, v in metrics.items()}
+        return output
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.worker_group, name)
+
+
 _CKPT_DIR = re.compile(r"^global_step_(\d+)$")
 
 
@@ -361,6 +441,33 @@ class StabilityMonitorMixin:
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=select)
         keep = np.array([not tag.get("is_padding", False) for tag in batch.tags], dtype=bool)
         return MonitorBatch.from_tensordict(data, keep if keep.any() else None, train_field)
+
+    def step(self, metrics, timing_raw):
+        """verl's step; numbers the update mini-steps of this logged step from 0."""
+        self._stable_updates_in_step = 0
+        return super().step(metrics, timing_raw)
+
+    def _update_actor(self, batch, metrics):
+        """verl's actor update, plus the per-mini-step metrics of its unreduced output (:func:`per_update_metrics`)."""
+        monitor = self._stable_state()
+        if not (monitor.config.monitor.enable and monitor.config.monitor.per_update):
+            return super()._update_actor(batch, metrics)
+        tap = _UpdateOutputTap(self.actor_rollout_wg)
+        self.actor_rollout_wg = tap
+        try:
+            result = super()._update_actor(batch, metrics)
+        finally:
+            self.actor_rollout_wg = tap.worker_group
+        if tap.raw is not None:
+            first = getattr(self, "_stable_updates_in_step", 0)
+            try:
+                per_update, count = per_update_metrics(tap.raw, first)
+            except ValueError as exc:  # verl changed its layout: keep training, say so once
+                monitor._warn_once("per_update", f"no per-update metrics: {exc}")
+            else:
+                metrics.update(per_update)
+                self._stable_updates_in_step = first + count
+        return result
 
     def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
         super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)

@@ -235,6 +235,100 @@ def is_weight_metrics(is_weights: torch.Tensor, mask: torch.Tensor) -> dict[str,
     }
 
 
+#: ``|logp_theta - logp_old|`` is clamped to this before ``exp`` so every staleness statistic stays finite.
+STALENESS_LOG_RATIO_BOUND = 50.0
+
+#: Names of :func:`staleness_statistics` (under ``stable/staleness/``), in order.
+STALENESS_NAMES: tuple[str, ...] = (
+    "ratio_mean",
+    "ratio_min",
+    "ratio_max",
+    "ratio_dev_max",
+    "log_ratio_abs_mean",
+    "kl_k3",
+    "frac_above",
+    "frac_below",
+    "frac_outside_trust_region",
+)
+
+
+def _check_trust_region(eps_low: float, eps_high: float) -> None:
+    if not (0 <= eps_low < 1 and eps_high >= 0):
+        raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got eps_low={eps_low}, eps_high={eps_high}")
+
+
+def staleness_statistics(
+    logp_theta: torch.Tensor,
+    logp_old: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.27,
+) -> dict[str, torch.Tensor]:
+    """Policy staleness of one (micro-)batch as 0-d tensors, without reading anything back to the host.
+
+    With ``d = clamp(logp_theta - logp_old, +-STALENESS_LOG_RATIO_BOUND)`` and ``r = pi_theta / pi_old = exp(d)``
+    on the valid tokens (mean over valid tokens):
+
+    * ``ratio_mean``, ``ratio_min``, ``ratio_max`` of ``r``; ``ratio_dev_max = max |r - 1|``;
+    * ``log_ratio_abs_mean = mean |d|`` and ``kl_k3 = mean(r - 1 - d)``, the k3 estimator of
+      KL(pi_old || pi_theta) on tokens drawn from the sampler (non-negative per token, 0 iff ``r = 1``);
+    * ``frac_above = mean(1[r > 1 + eps_high])``, ``frac_below = mean(1[r < 1 - eps_low])`` and
+      ``frac_outside_trust_region`` (their sum). The trust region is sign-agnostic: MiniRL masks only the side
+      the advantage pushes towards, so the fraction it masks is at most ``frac_outside_trust_region``.
+
+    Made to run inside a policy loss on every micro-batch: no host sync, and a value for every name whatever the
+    input (verl averages loss metrics over micro-batches and requires the same keys on every rank). A mask with no
+    valid token gives the on-policy values (ratios 1, deviations and fractions 0). Inputs must be finite at valid
+    positions (the losses check that); values at masked positions are ignored, NaN included.
+
+    Args:
+        logp_theta: log-probs of the policy being updated, ``[batch, len]``.
+        logp_old: pi_old log-probs of the same tokens, same shape.
+        mask: 0/1 or bool valid-token mask, same shape.
+        eps_low: lower trust-region width, ``0 <= eps_low < 1``.
+        eps_high: upper trust-region width, ``>= 0``.
+
+    Returns:
+        ``{name: 0-d float64 tensor}`` for each name of :data:`STALENESS_NAMES`, on the inputs' device.
+    """
+    _check_trust_region(eps_low, eps_high)
+    _check_pair("logp_old", logp_old, "logp_theta", logp_theta)
+    for name, t in (("logp_theta", logp_theta), ("logp_old", logp_old)):
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating point tensor, got {t.dtype}")
+    valid = _valid_mask(mask, "logp_theta", logp_theta)
+    zero = torch.zeros((), dtype=torch.float64, device=logp_theta.device)
+    d = torch.where(valid, logp_theta.detach().double() - logp_old.detach().double(), zero)
+    d = d.clamp(-STALENESS_LOG_RATIO_BOUND, STALENESS_LOG_RATIO_BOUND)
+    ratio = torch.exp(d)
+    n = valid.sum().clamp(min=1).double()
+
+    def mean(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(valid, x, zero).sum() / n
+
+    above = (ratio > 1 + eps_high) & valid
+    below = (ratio < 1 - eps_low) & valid
+    any_valid = valid.any()
+    one = zero + 1
+    if ratio.numel():
+        ratio_min = torch.where(any_valid, torch.where(valid, ratio, math.inf).amin(), one)
+        ratio_max = torch.where(any_valid, torch.where(valid, ratio, -math.inf).amax(), one)
+    else:
+        ratio_min = ratio_max = one
+    stats = {
+        "ratio_mean": torch.where(any_valid, mean(ratio), one),
+        "ratio_min": ratio_min,
+        "ratio_max": ratio_max,
+        "ratio_dev_max": torch.maximum(ratio_max - 1, 1 - ratio_min),
+        "log_ratio_abs_mean": mean(d.abs()),
+        "kl_k3": mean(ratio - 1 - d),
+        "frac_above": mean(above.double()),
+        "frac_below": mean(below.double()),
+        "frac_outside_trust_region": mean((above | below).double()),
+    }
+    return {name: stats[name] for name in STALENESS_NAMES}
+
+
 def staleness_metrics(
     logp_theta: torch.Tensor,
     logp_old: torch.Tensor,
@@ -242,18 +336,12 @@ def staleness_metrics(
     eps_low: float = 0.2,
     eps_high: float = 0.27,
 ) -> dict[str, float]:
-    """Policy staleness of one mini-step: the ratio ``r = pi_theta/pi_old = exp(logp_theta - logp_old)``.
+    """:func:`staleness_statistics` as ``{"stable/staleness/<name>": float}``, with this module's conventions.
 
-    Reports ``ratio_mean/min/max`` over valid tokens, ``frac_above = mean(1[r > 1 + eps_high])``,
-    ``frac_below = mean(1[r < 1 - eps_low])`` and ``frac_outside_trust_region`` (their sum). The trust region is
-    sign-agnostic here: MiniRL masks only the side the advantage pushes towards, so the fraction actually masked
-    is at most ``frac_outside_trust_region``. Defaults are MiniRL's ``eps_low = 0.2, eps_high = 0.27``.
-
-    Returns:
-        ``{"stable/staleness/...": float}``; empty for an empty mask.
+    Non-finite tokens are excluded and counted in ``stable/staleness/nonfinite_frac``; an empty mask gives an
+    empty dict. Defaults are MiniRL's ``eps_low = 0.2, eps_high = 0.27``.
     """
-    if not (0 <= eps_low < 1 and eps_high >= 0):
-        raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got eps_low={eps_low}, eps_high={eps_high}")
+    _check_trust_region(eps_low, eps_high)
     sel = _finite_selection(mask, {"logp_theta": logp_theta, "logp_old": logp_old}, "logp_theta")
     if sel is None:
         return {}
@@ -261,19 +349,9 @@ def staleness_metrics(
     out = {f"{STALENESS}/nonfinite_frac": nonfinite}
     if not bool(keep.any()):
         return out
-    ratio = torch.exp(logp_theta.double() - logp_old.double())[keep]
-    above = (ratio > 1 + eps_high).double().mean()
-    below = (ratio < 1 - eps_low).double().mean()
-    out.update(
-        {
-            f"{STALENESS}/ratio_mean": _float(ratio.mean()),
-            f"{STALENESS}/ratio_min": _float(ratio.min()),
-            f"{STALENESS}/ratio_max": _float(ratio.max()),
-            f"{STALENESS}/frac_above": _float(above),
-            f"{STALENESS}/frac_below": _float(below),
-            f"{STALENESS}/frac_outside_trust_region": _float(above + below),
-        }
-    )
+    stats = staleness_statistics(logp_theta, logp_old, keep, eps_low, eps_high)
+    values = torch.stack(list(stats.values())).tolist()
+    out.update({f"{STALENESS}/{name}": v for name, v in zip(stats, values, strict=True)})
     return out
 
 
