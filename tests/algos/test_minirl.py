@@ -76,11 +76,11 @@ def test_trust_region_mask_each_side():
     kept = torch.tensor([[float(k)] for _, _, k in cases], dtype=torch.float64)
     torch.testing.assert_close(leaf.grad, -kept * weights * ratio * adv)
     metrics = terms.scalars()
-    assert metrics["actor/minirl/masked_frac_high"] == pytest.approx(1 / 6)
-    assert metrics["actor/minirl/masked_frac_low"] == pytest.approx(1 / 6)
+    assert metrics["actor/MiniRL/masked_frac_high"] == pytest.approx(1 / 6)
+    assert metrics["actor/MiniRL/masked_frac_low"] == pytest.approx(1 / 6)
     assert metrics["actor/pg_clipfrac"] == pytest.approx(2 / 6)
-    assert metrics["actor/minirl/ratio_max"] == pytest.approx(3.0)
-    assert metrics["actor/minirl/is_weight_mean"] == pytest.approx(2.0)
+    assert metrics["actor/MiniRL/ratio_max"] == pytest.approx(3.0)
+    assert metrics["actor/MiniRL/is_weight_mean"] == pytest.approx(2.0)
 
 
 def test_on_policy_gradient_is_weight_times_advantage():

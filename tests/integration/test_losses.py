@@ -126,7 +126,7 @@ def test_minirl_gradient_through_registry(loss_agg_mode):
     divisor = mask.any(-1).sum() if loss_agg_mode == "seq-mean-token-sum" else mask.sum()
     torch.testing.assert_close(leaf.grad, -minirl_objective_grad(log_prob, old, adv, mask, weights) / divisor)
     assert 0 < metrics["actor/pg_clipfrac"] < 1
-    assert {"actor/ppo_kl", "actor/minirl/masked_frac_high", "actor/minirl/is_weight_max"} <= set(metrics)
+    assert {"actor/ppo_kl", "actor/MiniRL/masked_frac_high", "actor/MiniRL/is_weight_max"} <= set(metrics)
     assert all(isinstance(v, float) and math.isfinite(v) for v in metrics.values())
 
 
@@ -331,7 +331,7 @@ def test_hydra_config_from_verl_yaml_reaches_the_loss():
         loss_agg_mode=actor.loss_agg_mode,
         config=actor,
     )
-    assert torch.isfinite(loss) and metrics["actor/minirl/is_weight_mean"] == 1.0
+    assert torch.isfinite(loss) and metrics["actor/MiniRL/is_weight_mean"] == 1.0
     assert np.isclose(actor.clip_ratio_high, 0.2)  # verl's own default is untouched
 
 
@@ -396,7 +396,7 @@ def test_stable_metric_aggregation_and_relabel_errors():
     assert agg("actor/stable/staleness/ratio_max").value == "max"
     assert agg("stable/routing/r2_drift").value == "mean"
     assert agg("stable/x/ratio_min").value == "min"
-    assert agg("actor/pg_clipfrac") is None and agg("actor/minirl/ratio_max") is None
+    assert agg("actor/pg_clipfrac") is None and agg("actor/MiniRL/ratio_max") is None
     metrics = {"stable/routing/r2_drift": 0.25, "actor/ppo_kl": 1.0}
     losses.relabel_stable_metrics(metrics)
     drift = metrics["stable/routing/r2_drift"]
@@ -406,3 +406,28 @@ def test_stable_metric_aggregation_and_relabel_errors():
     two.extend([1.0, 2.0])
     with pytest.raises(ValueError, match="holds 2 values"):
         losses.relabel_stable_metrics({"actor/stable/staleness/ratio_max": two})
+
+
+def test_metric_names_reduce_as_their_suffix_says_in_verls_trainer():
+    """verl reduces per-mini-step values by substring ('max' -> max, 'min' -> min, else mean): names must fit."""
+    from verl.utils.metric import reduce_metrics
+
+    log_prob, old, adv, mask, weights = ragged_batch(0)
+    keys: set[str] = set()
+    for mode in ("minirl", "vespo"):
+        _, metrics = get_policy_loss_fn(mode)(
+            old_log_prob=old,
+            log_prob=log_prob,
+            advantages=adv,
+            response_mask=mask,
+            loss_agg_mode="seq-mean-token-sum",
+            config=actor_config(mode, "seq-mean-token-sum"),
+            rollout_is_weights=weights,
+        )
+        keys |= set(metrics)
+    assert "actor/MiniRL/ratio_mean" in keys and "actor/vespo/w_mean" in keys
+    for key in sorted(keys):
+        reduced = reduce_metrics({key: [1.0, 3.0, 2.0]})[key]
+        tail = key.rsplit("/", 1)[-1]
+        expected = 3.0 if tail.endswith("max") else 1.0 if tail.endswith("min") else 2.0
+        assert reduced == expected, f"{key}: verl reduces it to {reduced}, its name says {expected}"

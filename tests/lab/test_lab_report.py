@@ -35,7 +35,7 @@ def _rows():
                 step,
                 b,
                 **{"stable/entropy/mean": 1.0, "stable/guard/entropy_collapse": float(step == 3)},
-                **{"actor/minirl/masked_frac_low": 0.1, "actor/minirl/masked_frac_high": 0.05},
+                **{"actor/MiniRL/masked_frac_low": 0.1, "actor/MiniRL/masked_frac_high": 0.05},
             )
         )
         rows.append(

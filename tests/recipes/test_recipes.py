@@ -393,9 +393,9 @@ def test_r2_recipe_trains_on_the_cpu_runtime(tmp_path):
     for row in rows:
         assert math.isfinite(row["actor/pg_loss"]) and row["actor/grad_norm"] > 0
         assert "rollout_corr/k3_kl" in row  # token IS weights were computed and reached the loss
-        assert any("minirl/ratio_mean" in k for k in row), sorted(row)  # the minirl loss ran
+        assert any("MiniRL/ratio_mean" in k for k in row), sorted(row)  # the minirl loss ran
         assert "stable/entropy/mean" in row  # the monitored trainer ran
         assert row.get("stable/routing/replayed_rows", 0) > 0, sorted(k for k in row if "routing" in k)  # R2 replayed
         assert row["stable/routing/disagreement"] == 0.0  # the updates used exactly the routing recorded for pi_old
     # N = 2: the second mini-step of a step sees pi_theta != pi_old (on-policy the ratio would be exactly 1)
-    assert rows[0]["actor/minirl/ratio_min"] < 1.0 < rows[0]["actor/minirl/ratio_max"]
+    assert rows[0]["actor/MiniRL/ratio_min"] < 1.0 < rows[0]["actor/MiniRL/ratio_max"]

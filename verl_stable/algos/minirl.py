@@ -55,9 +55,9 @@ def minirl_policy_loss(
     Returns:
         :class:`PolicyLossTerms` with the per-token loss (0 at masked positions) and metrics:
         ``actor/pg_clipfrac`` (fraction of valid tokens with ``M_t = 0``), ``actor/ppo_kl`` (mean of
-        ``logp_old - logp_theta``), ``actor/minirl/masked_frac_high`` / ``masked_frac_low`` (each side of the
-        trust region), ``actor/minirl/ratio_{mean,min,max}``, ``actor/minirl/is_weight_{mean,min,max}`` and
-        ``actor/minirl/token_weight_mean`` (mean of ``M_t * w_t * r_t``). Call ``.scalars()`` on it to check the
+        ``logp_old - logp_theta``), ``actor/MiniRL/masked_frac_high`` / ``masked_frac_low`` (each side of the
+        trust region), ``actor/MiniRL/ratio_{mean,min,max}``, ``actor/MiniRL/is_weight_{mean,min,max}`` and
+        ``actor/MiniRL/token_weight_mean`` (mean of ``M_t * w_t * r_t``). Call ``.scalars()`` on it to check the
         inputs and read the metrics.
 
     Raises:
@@ -112,15 +112,15 @@ def minirl_policy_loss(
         metrics = {
             "actor/pg_clipfrac": tokens.fraction(clipped),
             "actor/ppo_kl": -tokens.mean(log_ratio),
-            "actor/minirl/masked_frac_high": tokens.fraction(above),
-            "actor/minirl/masked_frac_low": tokens.fraction(below),
-            "actor/minirl/ratio_mean": ratio_mean,
-            "actor/minirl/ratio_min": ratio_min,
-            "actor/minirl/ratio_max": ratio_max,
-            "actor/minirl/is_weight_mean": w_mean,
-            "actor/minirl/is_weight_min": w_min,
-            "actor/minirl/is_weight_max": w_max,
-            "actor/minirl/token_weight_mean": tokens.mean(token_weight),
+            "actor/MiniRL/masked_frac_high": tokens.fraction(above),
+            "actor/MiniRL/masked_frac_low": tokens.fraction(below),
+            "actor/MiniRL/ratio_mean": ratio_mean,
+            "actor/MiniRL/ratio_min": ratio_min,
+            "actor/MiniRL/ratio_max": ratio_max,
+            "actor/MiniRL/is_weight_mean": w_mean,
+            "actor/MiniRL/is_weight_min": w_min,
+            "actor/MiniRL/is_weight_max": w_max,
+            "actor/MiniRL/token_weight_mean": tokens.mean(token_weight),
         }
     return PolicyLossTerms(
         loss_mat=loss_mat,

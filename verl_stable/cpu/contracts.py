@@ -206,6 +206,23 @@ def _replay_buffer_poll() -> str:
     return "ReplayBuffer(poll_interval=...)"
 
 
+def _fsdp2_offload_policy() -> str:
+    from verl.workers.engine.fsdp import transformer_impl
+
+    from verl_stable.cpu.engines import host_offload_policy
+
+    HostOffloadPolicy = host_offload_policy()  # noqa: N806 - a class
+    policy = getattr(transformer_impl, "CPUOffloadPolicy", None)
+    if policy is None:
+        raise ContractError("verl.workers.engine.fsdp.transformer_impl no longer imports CPUOffloadPolicy by name")
+    src = inspect.getsource(transformer_impl.FSDPEngine._build_fsdp_module)
+    if "CPUOffloadPolicy(" not in src:
+        raise ContractError("FSDPEngine._build_fsdp_module no longer builds CPUOffloadPolicy(...) from the module name")
+    if policy is not HostOffloadPolicy and not issubclass(HostOffloadPolicy, policy):
+        raise ContractError(f"transformer_impl.CPUOffloadPolicy is {policy!r}, not torch's FSDP2 CPUOffloadPolicy")
+    return "forward-only / offload_policy FSDP2 engines build transformer_impl.CPUOffloadPolicy (made unpinned)"
+
+
 CONTRACTS: tuple[Contract, ...] = (
     Contract("verl_version", f"verl == {SUPPORTED_VERL}", _verl_version),
     Contract("platform_registry", "PlatformRegistry + VERL_PLATFORM selection + PlatformBase ABC", _platform_registry),
@@ -221,6 +238,9 @@ CONTRACTS: tuple[Contract, ...] = (
     Contract("token_output", "TokenOutput fields and extra_fields['global_steps']", _token_output),
     Contract("weight_sync", "rollout.update_weights keywords and vLLM-style MoE weight names", _weight_sync),
     Contract("replay_buffer_poll", "ReplayBuffer poll_interval", _replay_buffer_poll),
+    Contract(
+        "fsdp2_offload_policy", "FSDP2 engines build CPUOffloadPolicy from their module's name", _fsdp2_offload_policy
+    ),
 )
 
 

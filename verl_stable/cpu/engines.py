@@ -1,12 +1,26 @@
-"""verl's FSDP training engines, registered for device ``"cpu"``.
+"""verl's FSDP training engines on device ``"cpu"``: registration, and host memory that is never pinned.
 
 verl 0.9.1 registers ``FSDPEngineWithLMHead`` / ``FSDPEngineWithValueHead`` for ``cuda`` and ``npu`` only; torch FSDP2
 (``fully_shard``) works on CPU with gloo, so the same classes serve the CPU platform. Registration goes through the
 public ``EngineRegistry.register`` decorator, which refuses duplicate keys, so an existing ``cpu`` entry (ours from an
 earlier call, or someone else's engine) is left alone.
+
+Forward-only engines (verl's reference policy, built when ``actor.use_kl_loss=True`` or ``use_kl_in_reward=True``)
+and ``fsdp_config.offload_policy=True`` make verl's FSDP2 build use ``CPUOffloadPolicy(pin_memory=True)``. Pinning
+page-locks host memory for fast copies to an accelerator; without CUDA torch refuses it ("Cannot access accelerator
+device when none is available"). On the CPU platform the "device" *is* host memory, so the same policy without
+pinning is exact: :func:`unpinned_offload_policy` makes the name verl's engine module constructs the policy from
+build ``HostOffloadPolicy`` (:func:`host_offload_policy`: a ``CPUOffloadPolicy`` whose ``pin_memory`` is always False). It is installed,
+restorably, only in processes that selected the CPU platform, and applies to whichever engine class (verl's, or the
+project's replay subclass) ends up building the module.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 from verl_stable.cpu.platform import cpu_selected
 
@@ -14,10 +28,74 @@ DEVICE = "cpu"
 BACKENDS = ("fsdp", "fsdp2")
 # model_type -> class name in verl.workers.engine.fsdp.transformer_impl
 ENGINES = {"language_model": "FSDPEngineWithLMHead", "value_model": "FSDPEngineWithValueHead"}
+# The module whose global ``CPUOffloadPolicy`` verl's FSDP2 build calls (see contracts.fsdp2_offload_policy).
+OFFLOAD_POLICY_MODULE = "verl.workers.engine.fsdp.transformer_impl"
+
+_INSTALLED = contextlib.ExitStack()
+
+
+_CLASSES: dict[str, type] = {}
+
+
+def host_offload_policy() -> type:
+    """:class:`HostOffloadPolicy`, created on first use (importing ``torch.distributed.fsdp`` costs ~1 s, and this
+    module is imported in every process verl starts)."""
+    if "policy" not in _CLASSES:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        @dataclass
+        class HostOffloadPolicy(CPUOffloadPolicy):
+            """FSDP2 ``CPUOffloadPolicy`` that never pins memory (there is no accelerator to copy to).
+
+            Accepts the same arguments; a requested ``pin_memory=True`` is dropped, since the parameters' compute
+            device is the host itself.
+            """
+
+            def __post_init__(self) -> None:
+                self.pin_memory = False
+
+        HostOffloadPolicy.__module__ = __name__
+        _CLASSES["policy"] = HostOffloadPolicy
+    return _CLASSES["policy"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "HostOffloadPolicy":
+        return host_offload_policy()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@contextlib.contextmanager
+def unpinned_offload_policy() -> Iterator[type]:
+    """Within the block, verl's FSDP engine module builds ``HostOffloadPolicy`` where it asks for
+    ``CPUOffloadPolicy``; the module's original name is restored on exit. Yields the policy class in use.
+
+    Raises:
+        verl_stable.cpu.contracts.ContractError: verl's engine module no longer has that module-level name.
+    """
+    import importlib
+
+    from verl_stable.cpu.contracts import ContractError
+
+    module = importlib.import_module(OFFLOAD_POLICY_MODULE)
+    original = getattr(module, "CPUOffloadPolicy", None)
+    if original is None:
+        raise ContractError(f"{OFFLOAD_POLICY_MODULE}.CPUOffloadPolicy missing (fsdp2_offload_policy contract)")
+    policy = host_offload_policy()
+    module.CPUOffloadPolicy = policy
+    try:
+        yield policy
+    finally:
+        module.CPUOffloadPolicy = original
+
+
+def uninstall() -> None:
+    """Undo the process-level patch :func:`register` installed (registry entries stay)."""
+    _INSTALLED.close()
 
 
 def register(force: bool = False) -> list[str]:
-    """Register the FSDP engines for device cpu (idempotent).
+    """Register the FSDP engines for device cpu and unpinned FSDP2 offload (idempotent).
 
     Only done in processes that selected the CPU platform (importing the engine module is slow and useless
     elsewhere), unless ``force``.
@@ -35,4 +113,7 @@ def register(force: bool = False) -> list[str]:
         if missing:
             EngineRegistry.register(model_type=model_type, backend=missing, device=DEVICE)(engine_cls)
         done += [f"engine:{model_type}/{b}/{DEVICE}" for b in BACKENDS]
+    if transformer_impl.CPUOffloadPolicy is not host_offload_policy():
+        _INSTALLED.enter_context(unpinned_offload_policy())
+    done.append("fsdp2_offload:unpinned")
     return done

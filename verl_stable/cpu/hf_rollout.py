@@ -22,10 +22,12 @@ Backend options live in ``actor_rollout_ref.rollout.engine_kwargs.hf`` (verl's p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,23 +180,86 @@ def routed_experts_array(
     return out
 
 
+class RouterIdsRecorder:
+    """Routing capture specialised to the sampler's forwards (one sequence, no padding): one hook per router.
+
+    The general :func:`verl_stable.routing.capture` tracks batch shapes and attention masks with model-level pre/post
+    hooks and a per-site state machine; for KV-cached generation of a single sequence every routed row is a token,
+    so a forward hook per router that appends its top-k ids is all that is needed (about a third of the hook work
+    per decode step). Rows come out in call order: prompt tokens, then every fed-back sampled token -- the same rows
+    the general capture records. :meth:`ids` checks that every MoE layer routed the same rows (a router that a hub
+    kernel bypassed would come up short).
+    """
+
+    def __init__(self, routing: Any) -> None:
+        self.routing = routing
+        self.layers = routing.layout.moe_layers
+        self.rows: list[list[torch.Tensor]] = [[] for _ in routing.sites]
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[RouterIdsRecorder]:
+        handles = []
+        try:
+            for site in self.routing.sites:
+                handles.append(site.module.register_forward_hook(self.make_hook(self.rows[site.ordinal])))
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    @staticmethod
+    def make_hook(rows: list[torch.Tensor]) -> Any:
+        """The forward hook of one router: appends the ids of its output ``(logits, weights, ids)``."""
+
+        def hook(_module: Any, _args: Any, out: Any) -> None:
+            rows.append(out[2])
+
+        return hook
+
+    def ids(self) -> torch.Tensor:
+        """``[rows, moe_layers, top_k]`` expert ids of every routed row, in call order."""
+        from verl_stable.routing import UnsupportedModelError
+
+        per_layer = [torch.cat(rows) if rows else torch.empty(0, self.routing.layout.top_k) for rows in self.rows]
+        counts = {int(t.shape[0]) for t in per_layer}
+        if len(counts) != 1:
+            short = [self.layers[i] for i, t in enumerate(per_layer) if t.shape[0] < max(counts)]
+            raise UnsupportedModelError(
+                f"the routers of MoE decoder layers {short} did not run on every token: the MoE block was bypassed "
+                "(hub kernel or a custom forward?), so routing was not captured"
+            )
+        return torch.stack(per_layer, dim=1)
+
+
 def routing_exporter(model: torch.nn.Module) -> tuple[Any, Any]:
     """Return ``(capture_factory, to_array)`` exporting ``model``'s routing via :mod:`verl_stable.routing`.
+
+    The model is bound once, here. Router-output families (qwen3_moe, mixtral, ...) get :class:`RouterIdsRecorder`;
+    the others (an instance-level routing method) the general :func:`verl_stable.routing.capture`.
 
     Raises:
         verl_stable.routing.UnsupportedModelError: a model family the routing package cannot route (a ValueError
             naming the model type and the supported ones).
     """
-    from verl_stable.routing import capture, layout_from_config
+    from verl_stable.routing import bind_model, capture
+    from verl_stable.routing.families import ROUTER_OUTPUT
 
-    layout = layout_from_config(model.config)  # fails loudly here, at server start, for unroutable models
+    routing = bind_model(model)  # fails loudly here, at server start, for unroutable models
+    layout = routing.layout
+
+    if routing.spec.site_kind == ROUTER_OUTPUT:
+
+        def capture_factory(_model: torch.nn.Module) -> contextlib.AbstractContextManager:
+            return RouterIdsRecorder(routing).recording()
+
+    else:
+        capture_factory = capture
 
     def to_array(recorder: Any) -> Any:
-        return routed_experts_array(
-            recorder.trace.to_tensor(), list(recorder.layers), layout.num_hidden_layers, layout.num_experts
-        )
+        ids = recorder.ids() if isinstance(recorder, RouterIdsRecorder) else recorder.trace.to_tensor()
+        return routed_experts_array(ids, list(recorder.layers), layout.num_hidden_layers, layout.num_experts)
 
-    return capture, to_array
+    return capture_factory, to_array
 
 
 # --------------------------------------------------------------------------------------------------------------

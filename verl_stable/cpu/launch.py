@@ -54,6 +54,7 @@ def cpu_overrides(
     sync_weights: bool = True,
     rollout_is: str | None = "token",
     routing_capture: bool = False,
+    kl_loss_coef: float | None = None,
     metrics_logger: Sequence[str] = ("console", "file"),
 ) -> list[str]:
     """Hydra overrides for a GRPO run of the tiny assets on the CPU runtime.
@@ -67,6 +68,8 @@ def cpu_overrides(
         sync_weights: False leaves the rollout at the initial weights (deliberate drift, for checks).
         rollout_is: verl's rollout correction ``rollout_is`` (token | sequence | None).
         routing_capture: ``rollout.enable_rollout_routing_replay`` (routing export from the hf backend).
+        kl_loss_coef: with a value, ``actor.use_kl_loss=True`` at that coefficient (``low_var_kl``): verl builds a
+            forward-only reference engine and logs ``actor/kl_loss``. None: no KL loss, no reference model.
     """
     reward_path = tasks.__file__
     ov = list(RUNTIME_OVERRIDES)
@@ -82,7 +85,7 @@ def cpu_overrides(
         f"actor_rollout_ref.actor.ppo_mini_batch_size={batch_size}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={batch_size * group_size}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={batch_size * group_size}",
-        "actor_rollout_ref.actor.use_kl_loss=False",
+        f"actor_rollout_ref.actor.use_kl_loss={kl_loss_coef is not None}",
         "algorithm.use_kl_in_reward=False",
         "actor_rollout_ref.actor.optim.lr=1e-3",
         "actor_rollout_ref.rollout.calculate_log_probs=True",
@@ -100,6 +103,12 @@ def cpu_overrides(
     ]
     if precision is not None:
         ov.append(f"+actor_rollout_ref.rollout.engine_kwargs.hf.precision={precision}")
+    if kl_loss_coef is not None:
+        ov += [
+            f"actor_rollout_ref.actor.kl_loss_coef={kl_loss_coef}",
+            "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+            f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={batch_size * group_size}",
+        ]
     if rollout_is is not None:
         ov.append(f"algorithm.rollout_correction.rollout_is={rollout_is}")
     return ov

@@ -5,7 +5,9 @@ loss_agg_mode, config (ActorConfig), rollout_is_weights``. The adapters read the
 actor config, run the pure-torch loss, aggregate with verl's own ``agg_loss`` and ``config.global_batch_info``
 (so the loss is invariant to micro-batching and data parallelism exactly as verl's built-in losses are) and
 return scalar metrics under verl's names (``actor/pg_clipfrac``, ``actor/ppo_kl``) and ours
-(``actor/minirl/...``, ``actor/vespo/...``).
+(``actor/MiniRL/...``, ``actor/vespo/...``). verl's trainer reduces the per-mini-step values of a key by substring
+(``"max"`` in the key: max, ``"min"``: min, otherwise mean), so no prefix may contain ``min`` or ``max``: a
+``actor/minirl/`` prefix would log the minimum over mini-steps of every MiniRL metric, hence ``MiniRL``.
 
 Staleness. Both losses also return the pi_theta / pi_old statistics of
 :func:`verl_stable.monitor.metrics.staleness_statistics` as ``actor/stable/staleness/<name>``, with the trust region

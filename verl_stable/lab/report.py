@@ -37,7 +37,7 @@ METRICS: dict[str, tuple[str, ...]] = {
     "clip_frac": ("actor/pg_clipfrac",),
 }
 GUARD_PREFIX = "stable/guard/"
-MINIRL_MASKED = ("actor/minirl/masked_frac_low", "actor/minirl/masked_frac_high")
+MINIRL_MASKED = ("actor/MiniRL/masked_frac_low", "actor/MiniRL/masked_frac_high")
 PLOTTED = ("reward", "entropy", "kl_k3", "routing_disagreement")
 REQUIRED_FIELDS = ("variant", "staleness", "seed", "step")
 REWARD_MARGIN = 0.05  # floor of the gap called a difference (binary reward, small batches: noisy)
