@@ -94,7 +94,9 @@ def overhead(rounds: int) -> None:
     med = {m: statistics.median(t) for m, t in times.items()}
     best = {m: min(t) for m, t in times.items()}
     # per-round ratios pair each mode with the plain step run next to it, which cancels slow drifts in machine load
-    paired = {m: statistics.median(x / p for x, p in zip(times[m], times["plain"], strict=True)) for m in modes}
+    ratios = {m: [x / p for x, p in zip(times[m], times["plain"], strict=True)] for m in modes}
+    paired = {m: statistics.median(r) for m, r in ratios.items()}
+    iqr = {m: statistics.quantiles(r, n=4, method="inclusive") for m, r in ratios.items()}
     tokens = int(mask.sum())
     print(
         f"[overhead] Qwen3-MoE 4 layers, top-4 of 16 experts, hidden 128, {tokens} tokens, fwd+bwd, {rounds} rounds, "
@@ -104,7 +106,7 @@ def overhead(rounds: int) -> None:
         print(
             f"  {m:8s} median {med[m] * 1e3:8.2f} ms  ratio {med[m] / med['plain']:.3f}x   "
             f"best {best[m] * 1e3:8.2f} ms  ratio {best[m] / best['plain']:.3f}x   "
-            f"paired median ratio {paired[m]:.3f}x"
+            f"paired median ratio {paired[m]:.3f}x (IQR {iqr[m][0]:.3f}-{iqr[m][2]:.3f}x)"
         )
     print(
         f"  trace: {own.nbytes} bytes for {own.num_tokens} tokens ({own.ids.dtype}, {own.nbytes // own.num_tokens} B/token)"

@@ -63,3 +63,11 @@ def test_doctor_reports_registration():
     results = {r.name: r for r in runtime.doctor()}
     assert results["cpu_runtime_registered"].ok, results["cpu_runtime_registered"].detail
     assert all(r.ok for r in results.values()), [r for r in results.values() if not r.ok]
+
+
+def test_offload_policy_contract_detects_a_renamed_import(monkeypatch):
+    from verl.workers.engine.fsdp import transformer_impl
+
+    monkeypatch.delattr(transformer_impl, "CPUOffloadPolicy")
+    (result,) = contracts.check_contracts(["fsdp2_offload_policy"])
+    assert not result.ok and "CPUOffloadPolicy" in result.detail

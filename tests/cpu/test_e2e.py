@@ -1,7 +1,10 @@
 """End to end: GRPO steps of a tiny MoE through verl's real ``main_ppo`` on the CPU runtime.
 
-Run 1 (weight sync on, fp32 rollout): finite loss, non-zero gradients and advantages, verl's ``rollout_corr/*``
-metrics with token IS, rollout and actor probabilities kept together, checkpoint saved.
+Run 1 (weight sync on, fp32 rollout, fp32 actor): finite loss, non-zero gradients and advantages, verl's
+``rollout_corr/*`` metrics with token IS, rollout and actor probabilities kept together, checkpoint saved. It also
+uses a KL loss, so verl builds its forward-only reference engine (FSDP2 ``CPUOffloadPolicy``, unpinned on CPU by the
+runtime) and R3 router replay of the rollout's routing in the actor: ``actor/kl_loss`` is finite, and grows once the
+actor has moved away from the frozen reference.
 Run 2 (resumes run 1's checkpoint, weight sync *off*): resumes at the next step, and the rollout/actor gap grows
 far beyond run 1's -- the closeness check of run 1 can fail, so passing it means the sync really happened.
 """
@@ -18,9 +21,15 @@ from verl_stable.cpu.launch import cpu_overrides, read_metrics, run_main_ppo
 pytestmark = pytest.mark.e2e
 
 GAP = "training/rollout_probs_diff_max"
-# Largest |p_rollout - p_actor| per token tolerated with sync: the fp32 rollout vs the actor's bf16 compute measured
-# 5e-4 .. 7.5e-4; two un-synced updates at lr 1e-3 measured 6.7e-3 .. 1.5e-2.
+# Largest |p_rollout - p_actor| per token tolerated with sync: the fp32 rollout vs an fp32 actor measured 1e-8 .. 2e-8
+# (vs the default bf16 actor compute 5e-4 .. 7.5e-4); two un-synced updates at lr 1e-3 measured 6.7e-3 .. 1.5e-2.
 CLOSE = 2e-3
+KL_COEF = 0.01
+# fp32 actor (the "training engine"); the reference engine keeps verl's forward-only default (bf16 weights).
+FP32_ACTOR = (
+    "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
+)
+R3 = "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3"
 TIMEOUT_S = 900
 
 
@@ -50,7 +59,16 @@ def _run(workdir, name, **kw):
 def runs(cpu_assets, tmp_path_factory):
     _require_plugin_step()
     workdir = tmp_path_factory.mktemp("e2e")
-    synced = _run(workdir, "sync", assets=cpu_assets, steps=2, precision="fp32", extra=["trainer.save_freq=2"])
+    synced = _run(
+        workdir,
+        "sync",
+        assets=cpu_assets,
+        steps=2,
+        precision="fp32",
+        kl_loss_coef=KL_COEF,
+        routing_capture=True,
+        extra=["trainer.save_freq=2", FP32_ACTOR, R3],
+    )
     drift = _run(workdir, "nosync", assets=cpu_assets, steps=4, precision="fp32", sync_weights=False)
     return workdir, synced, drift
 
@@ -84,3 +102,23 @@ def test_without_sync_the_gap_check_fails(runs):
     drift_gap = [m[GAP] for m in drift]
     assert min(drift_gap) > CLOSE > synced_gap, (synced_gap, drift_gap)
     assert min(drift_gap) > 5 * synced_gap
+
+
+def test_reference_policy_kl_loss_on_cpu(runs):
+    # verl's reference engine is forward-only FSDP2 with CPUOffloadPolicy: it could not be built on CPU before the
+    # runtime made that policy unpinned, and the run failed at worker start-up.
+    _, synced, _ = runs
+    kl = [m["actor/kl_loss"] for m in synced]
+    assert all(m["timing_s/ref"] > 0 and m["actor/kl_coef"] == KL_COEF for m in synced)
+    assert all(math.isfinite(v) and v >= 0 for v in kl), kl
+    # Step 1: actor and reference hold the same weights (they differ only by the reference's bf16 numerics and its
+    # own, never replayed, routing); measured ~2e-5. Step 2: the actor has taken one update at lr 1e-3 and the
+    # reference has not; measured ~1e-3. A reference that followed the actor would keep step 2 at step 1's level.
+    assert kl[0] < 2e-4 and kl[1] > 5 * kl[0], kl
+
+
+def test_actor_replays_rollout_routing_with_a_reference_present(runs):
+    _, synced, _ = runs
+    for m in synced:
+        assert m["actor/stable/routing/replayed_rows"] > 0
+        assert m["actor/stable/routing/disagreement"] == 0.0  # the actor used exactly the rollout's experts

@@ -101,7 +101,66 @@ def test_engines_register_for_cpu_idempotently():
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-    first = engines.register(force=True)
-    second = engines.register(force=True)
+    try:
+        first = engines.register(force=True)
+        second = engines.register(force=True)
+    finally:
+        engines.uninstall()
     assert first == second
     assert EngineRegistry._engines["language_model"]["fsdp2"]["cpu"] is FSDPEngineWithLMHead
+
+
+def test_engines_register_installs_unpinned_offload_and_uninstalls():
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from verl.workers.engine.fsdp import transformer_impl
+
+    engines.uninstall()
+    assert transformer_impl.CPUOffloadPolicy is CPUOffloadPolicy
+    try:
+        assert "fsdp2_offload:unpinned" in engines.register(force=True)
+        engines.register(force=True)  # idempotent: one installation
+        policy = transformer_impl.CPUOffloadPolicy(pin_memory=True)  # what verl builds for the reference engine
+        assert isinstance(policy, CPUOffloadPolicy) and policy.pin_memory is False
+    finally:
+        engines.uninstall()
+    assert transformer_impl.CPUOffloadPolicy is CPUOffloadPolicy
+
+
+def test_reference_engine_offload_policy_works_on_cpu_only_unpinned():
+    # verl's forward-only (reference) FSDP2 engine shards with CPUOffloadPolicy(pin_memory=True): on a host without
+    # CUDA that fails in fully_shard; the CPU runtime's policy shards and runs. Subprocess: a process group is global.
+    code = """
+import os, socket, torch
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.device_mesh import init_device_mesh
+from verl_stable.cpu.engines import HostOffloadPolicy
+with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=True)
+torch.manual_seed(0)
+x = torch.randn(3, 4)
+def build():
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+expected = build().to(torch.bfloat16)(x.to(torch.bfloat16))
+try:
+    fully_shard(build(), mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=True), mp_policy=mp)
+    print("PINNED_OK")
+except RuntimeError as exc:
+    print("PINNED_FAILS", exc)
+model = build()
+fully_shard(model[0], mesh=mesh, offload_policy=HostOffloadPolicy(pin_memory=True), mp_policy=mp)
+fully_shard(model, mesh=mesh, offload_policy=HostOffloadPolicy(pin_memory=True), mp_policy=mp)
+with torch.no_grad():
+    out = model(x)
+assert torch.equal(out, expected), (out, expected)
+print("UNPINNED_OK")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "UNPINNED_OK" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+    if not torch.cuda.is_available():
+        assert "PINNED_FAILS" in out.stdout, "pinning worked without CUDA: the fix may be obsolete"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 RECIPE_DIR = Path(__file__).resolve().parents[2] / "recipes" / "cpu"
 
 
@@ -47,3 +49,22 @@ def test_recipe_matches_launcher(cpu_assets):
     for key in keys:
         assert OmegaConf.select(recipe, key) == OmegaConf.select(launcher, key), key
     assert recipe.trainer.device == "cpu" and recipe.actor_rollout_ref.rollout.name == "hf"
+
+
+def test_kl_loss_overrides_pass_verls_config_validation(cpu_assets):
+    # verl refuses a reference policy without a log-prob micro-batch size; cpu_overrides(kl_loss_coef=...) sets it.
+    import verl.trainer.config as verl_config
+    from verl.utils.config import validate_config
+
+    from verl_stable.cpu.launch import cpu_overrides
+
+    config_dir = Path(verl_config.__file__).parent
+    cfg = _compose(config_dir, "ppo_trainer", cpu_overrides(cpu_assets, kl_loss_coef=0.05))
+    actor = cfg.actor_rollout_ref.actor
+    assert actor.use_kl_loss is True and actor.kl_loss_coef == 0.05 and actor.kl_loss_type == "low_var_kl"
+    validate_config(cfg, use_reference_policy=True, use_critic=False)
+    bare = _compose(config_dir, "ppo_trainer", cpu_overrides(cpu_assets))
+    assert bare.actor_rollout_ref.actor.use_kl_loss is False
+    bare.actor_rollout_ref.actor.use_kl_loss = True
+    with pytest.raises(ValueError, match="actor_rollout_ref.ref"):
+        validate_config(bare, use_reference_policy=True, use_critic=False)

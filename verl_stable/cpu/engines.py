@@ -10,9 +10,9 @@ and ``fsdp_config.offload_policy=True`` make verl's FSDP2 build use ``CPUOffload
 page-locks host memory for fast copies to an accelerator; without CUDA torch refuses it ("Cannot access accelerator
 device when none is available"). On the CPU platform the "device" *is* host memory, so the same policy without
 pinning is exact: :func:`unpinned_offload_policy` makes the name verl's engine module constructs the policy from
-build ``HostOffloadPolicy`` (:func:`host_offload_policy`: a ``CPUOffloadPolicy`` whose ``pin_memory`` is always False). It is installed,
-restorably, only in processes that selected the CPU platform, and applies to whichever engine class (verl's, or the
-project's replay subclass) ends up building the module.
+build ``HostOffloadPolicy`` (:func:`host_offload_policy`: a ``CPUOffloadPolicy`` whose ``pin_memory`` is always
+False). It is installed, restorably, only in processes that selected the CPU platform, and applies to whichever engine
+class (verl's, or the project's replay subclass) ends up building the module.
 """
 
 from __future__ import annotations
