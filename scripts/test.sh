@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
 # The whole test suite, with the repository's .venv (create it with scripts/install_cpu.sh).
+# Test files run on VERL_STABLE_TEST_WORKERS pytest-xdist workers (default: 2 on a host with >= 2 cores, else 1);
+# `--dist loadfile` keeps a file on one worker, so a module's shared verl run starts once. Most of the suite's time
+# is verl's start-up in the end-to-end runs (one process importing torch and verl at a time), which two workers
+# overlap. Extra arguments go to pytest (`-n 0` runs everything in this process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
-exec .venv/bin/python -m pytest tests "$@"
+cores=$(nproc 2>/dev/null || echo 1)
+workers=${VERL_STABLE_TEST_WORKERS:-$(( cores >= 2 ? 2 : 1 ))}
+exec .venv/bin/python -m pytest tests -n "${workers}" --dist loadfile --durations=25 "$@"

@@ -259,6 +259,32 @@ def _has_path(cfg: Any, path: str) -> bool:
     return True
 
 
+def _dataclass_field_of_parent(cfg: Any, path: str) -> bool:
+    """Whether ``path`` names a field of the dataclass that its parent node declares with ``_target_``.
+
+    verl's YAML leaves some dataclass fields out (``rollout.agent.agent_loop_manager_class`` of ``AgentLoopConfig``);
+    verl converts such a node with ``omega_conf_to_dataclass``, which accepts every field of the class.
+    """
+    import dataclasses
+    import importlib
+
+    parent_path, _, name = path.rpartition(".")
+    node = cfg
+    for part in parent_path.split(".") if parent_path else ():
+        if not isinstance(node, Mapping) or part not in node:
+            return False
+        node = node[part]
+    target = node.get("_target_") if isinstance(node, Mapping) else None
+    if not isinstance(target, str) or "." not in target:
+        return False
+    module, _, cls_name = target.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), cls_name)
+    except (ImportError, AttributeError):
+        return False
+    return dataclasses.is_dataclass(cls) and name in {f.name for f in dataclasses.fields(cls)}
+
+
 def recipe_keys(path: str | os.PathLike) -> list[str]:
     """Dotted leaf keys a recipe file sets itself (its ``hydra`` and ``defaults`` entries excluded)."""
     from omegaconf import OmegaConf
@@ -288,6 +314,9 @@ def recipe_base(path: str | os.PathLike) -> str:
 def unknown_recipe_keys(path: str | os.PathLike, base: Any = None) -> list[str]:
     """Keys the recipe file sets that verl's trainer config does not have (and no extension dataclass checks).
 
+    A key absent from verl's YAML still counts as known when it is a field of the dataclass its parent node converts
+    to (``_target_``): verl's conversion accepts it.
+
     Hydra merges a recipe's new keys silently, and sections verl never converts to dataclasses (``trainer``,
     ``data``, ``reward`` ...) would carry a typo to runtime unnoticed; this catches them at composition time.
 
@@ -306,7 +335,7 @@ def unknown_recipe_keys(path: str | os.PathLike, base: Any = None) -> list[str]:
     for key in recipe_keys(path):
         if any(key == p or key.startswith(p + ".") for p in EXTENSION_PREFIXES):
             continue
-        if not _has_path(base, key):
+        if not _has_path(base, key) and not _dataclass_field_of_parent(base, key):
             unknown.append(key)
     return unknown
 

@@ -224,12 +224,25 @@ def test_an_unmodified_copy_has_no_problems(tmp_path):
         # sections verl never converts: only the comparison with verl's composed config catches these
         ("trainer.v1.trainer_mdoe", "stable_sync"),
         ("data.train_batch_sizes", 128),
+        # a node whose dataclass has fields verl's YAML leaves out: only real fields pass
+        ("actor_rollout_ref.rollout.agent.agent_loop_manager_clas", "x"),
     ],
 )
 def test_an_unknown_key_anywhere_in_a_recipe_fails(tmp_path, key, value):
     problems = _problems(_broken_copy(tmp_path, key, value))
     leaf = key.rsplit(".", 1)[1]
     assert problems and any(leaf in p for p in problems), problems
+
+
+def test_a_dataclass_field_missing_from_verls_yaml_is_known(tmp_path):
+    from verl_stable.integration.rollout import uses_compact_routing
+
+    key = "actor_rollout_ref.rollout.agent.agent_loop_manager_class"
+    manager = "verl_stable.integration.rollout.CompactRoutingAgentLoopManagerTQ"
+    assert _problems(_broken_copy(tmp_path, key, manager)) == []
+    cfg = R.compose_file(R.recipe_path("fsdp", "minirl_n4_r3"))
+    assert OmegaConf.select(cfg, key) == manager and uses_compact_routing(cfg)  # R3 moves routing compact
+    assert not uses_compact_routing(R.compose_file(R.recipe_path("fsdp", "minirl_n2_r2")))
 
 
 def test_verls_conversion_itself_rejects_an_unknown_actor_key(tmp_path):

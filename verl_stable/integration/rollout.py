@@ -248,6 +248,18 @@ def routing_trace_from_batch(data: Any, layout: RoutingLayout) -> RoutingTrace |
     return rows_to_trace(_batch_rows(data, lengths), lengths, layout)
 
 
+MANAGER_CONFIG_KEY = "actor_rollout_ref.rollout.agent.agent_loop_manager_class"
+
+
+def uses_compact_routing(config: Any) -> bool:
+    """Whether a verl config runs the compact-routing agent-loop manager with rollout routing export on."""
+    from omegaconf import OmegaConf
+
+    fqn = OmegaConf.select(config, MANAGER_CONFIG_KEY, default=None)
+    export = OmegaConf.select(config, "actor_rollout_ref.rollout.enable_rollout_routing_replay", default=False)
+    return bool(export) and isinstance(fqn, str) and fqn.rsplit(".", 1)[-1] == "CompactRoutingAgentLoopManagerTQ"
+
+
 def expand_compact_routing(data: Any, layout: RoutingLayout) -> bool:
     """Actor side, per (mini-/micro-)batch: add verl's ``routed_experts`` from the compact fields, in place.
 

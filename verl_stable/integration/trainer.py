@@ -429,16 +429,46 @@ class StabilityMonitorMixin:
             self._stable_trip: list[Verdict] = []
         return monitor
 
+    def _stable_compact_layout(self) -> Any:
+        """The routing layout when the rollout stores compact routing (:mod:`verl_stable.integration.rollout`).
+
+        ``None`` when verl's own agent-loop manager runs (TransferQueue then holds verl's ``routed_experts``).
+        """
+        if not hasattr(self, "_stable_layout"):
+            from verl_stable.integration.rollout import uses_compact_routing
+
+            layout = None
+            if uses_compact_routing(self.config):
+                from transformers import AutoConfig
+
+                from verl_stable.routing.families import layout_from_config
+
+                model = self.config.actor_rollout_ref.model
+                hf_config = AutoConfig.from_pretrained(
+                    model.path, trust_remote_code=bool(model.get("trust_remote_code", False))
+                )
+                layout = layout_from_config(hf_config)
+            self._stable_layout = layout
+        return self._stable_layout
+
     def _stable_fetch(self, batch, step: int, monitor: StepMonitor) -> MonitorBatch | None:
         import transfer_queue as tq
 
+        from verl_stable.integration.rollout import expand_compact_routing
+        from verl_stable.routing.transport import IDS_FIELD, SPAN_FIELD
+
         select = list(TOKEN_FIELDS)
         train_field = monitor.config.monitor.train_routing_field
+        layout = None
         if monitor.wants_routing(step):
-            select.append(ROLLOUT_ROUTING_FIELD)
+            layout = self._stable_compact_layout()
+            # compact rollout routing is expanded here, on the driver, only for the steps that log routing metrics
+            select += ["input_ids", IDS_FIELD, SPAN_FIELD] if layout is not None else [ROLLOUT_ROUTING_FIELD]
             if train_field:
                 select.append(train_field)
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=select)
+        if layout is not None:
+            expand_compact_routing(data, layout)
         keep = np.array([not tag.get("is_padding", False) for tag in batch.tags], dtype=bool)
         return MonitorBatch.from_tensordict(data, keep if keep.any() else None, train_field)
 
@@ -473,6 +503,10 @@ class StabilityMonitorMixin:
         super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)
         monitor = self._stable_state()
         fetched = self._stable_fetch(batch, global_steps, monitor) if monitor.config.monitor.enable else None
+        if monitor.config.monitor.enable and self._stable_compact_layout() is not None:
+            from verl_stable.integration.rollout import fetch_transport_metrics
+
+            metrics.update(fetch_transport_metrics(batch))
         verdicts = monitor.step(global_steps, fetched, metrics)
         self._stable_handle(verdicts, global_steps)
 

@@ -46,13 +46,18 @@ GUARD_ACTIONS = (
 # the actor the fp32 "training engine" of the paper's fp8-inference / higher-precision-training setup.
 TRAIN_PRECISION = "+actor_rollout_ref.actor.fsdp_config.mixed_precision"
 FP32_TRAINING = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
+# verl-stable's agent-loop manager: the rollout's routing travels validated and compact (uint8, ragged) to the actors
+AGENT_LOOP_MANAGER = "+actor_rollout_ref.rollout.agent.agent_loop_manager_class"
+COMPACT_ROUTING_MANAGER = "verl_stable.integration.rollout.CompactRoutingAgentLoopManagerTQ"
 
 COMMON_SWITCHES: dict[str, Any] = {
     ROLLOUT_ROUTING: True,
+    AGENT_LOOP_MANAGER: COMPACT_ROUTING_MANAGER,
     TRAIN_PRECISION: FP32_TRAINING,
     **{key: "warn" for key in GUARD_ACTIONS},
 }
-"""Applied to every run: routing export (observe or replay), fp32 training, a guard that warns instead of stopping."""
+"""Applied to every run: routing export (observe or replay) through the compact transport, fp32 training, a guard
+that warns instead of stopping."""
 
 STALENESS_CHOICES = (1, 2, 4, 8)
 PRECISIONS = ("fp8", "bf16", "fp16", "fp32")
