@@ -88,6 +88,23 @@ def test_cold_start_raises_reward_and_is_cached(tiny_assets, tmp_path):
     again = cold_start(tiny_assets, TINY, tmp_path, cfg)
     assert again.cached and again.model_dir == first.model_dir and again.expected_reward == first.expected_reward
     assert json.loads((first.model_dir / "coldstart.json").read_text())["steps"] == first.steps
+    # routers frozen (default): bit-identical to the initial model's, everything else trained
+    from transformers import AutoModelForCausalLM
+
+    from verl_stable.lab.coldstart import router_parameters
+
+    before = AutoModelForCausalLM.from_pretrained(str(tiny_assets.model_dir), dtype=torch.float32)
+    after = AutoModelForCausalLM.from_pretrained(str(first.model_dir), dtype=torch.float32)
+    routers = {id(p) for p in router_parameters(after)}
+    assert len(routers) == TINY.num_hidden_layers
+    changed = []
+    for (name, p0), p1 in zip(before.named_parameters(), after.parameters(), strict=True):
+        if id(p1) in routers:
+            assert torch.equal(p0, p1), name
+        elif not torch.equal(p0, p1):
+            changed.append(name)
+    assert any("experts" in n for n in changed) and any("self_attn" in n for n in changed)
+    assert all(p.requires_grad for p in after.parameters())
 
 
 def test_cache_key_covers_inputs_and_config_is_checked():
