@@ -1,6 +1,6 @@
 """``verl-stable lab``: run the CPU comparison of the paper's variants with verl's own trainer and write the report.
 
-    verl-stable lab                       # default preset: <= 10 min on 2 cores, no GPU, no download
+    verl-stable lab                       # default preset: ~13 min on 2 cores (target 10), no GPU, no download
     verl-stable lab --preset full --out ./lab_full
     verl-stable lab --list                # presets and variants
     verl-stable lab --report-only --out ./lab   # re-render the report from the runs on disk

@@ -99,7 +99,7 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
-        # <= 10 min on 2 idle cores: on-policy IS vs no IS, and the routing / loss comparison at N = 4
+        # target <= 10 min on 2 cores (measured 12m45s, docs/lab.md): on-policy IS vs no IS, routing / loss at N = 4
         Preset(
             "default",
             runs=(
