@@ -69,7 +69,7 @@ def bench_generation(rounds: int, max_tokens: int) -> dict[str, tuple[float, flo
     assets = ensure_assets(Path("/tmp/bench_cpu_gen_assets"), AssetSpec(max_position_embeddings=512))
     model = AutoModelForCausalLM.from_pretrained(assets.model_dir, dtype=torch.float32).eval()
     sampler = KVCachedSampler(model, max_model_len=512)
-    capture, to_array = routing_exporter(model)
+    capture, to_array, _ = routing_exporter(model)
     spec = SamplingSpec(max_tokens=max_tokens, ignore_eos=True, seed=0)
     prompt = list(range(3, 19))
 

@@ -103,3 +103,62 @@ def test_bad_prompts_are_clear_errors(tiny_moe):
         sampler.generate([], SamplingSpec(max_tokens=1))
     with pytest.raises(ValueError, match="out of range"):
         sampler.generate([1, 999], SamplingSpec(max_tokens=1))
+
+
+def test_batch_equals_one_request_at_a_time(tiny_moe):
+    """Rows of a batch sample what each request alone samples: same tokens, log-probs, finish, per-row specs."""
+    sampler = KVCachedSampler(tiny_moe, max_model_len=32, eos_token_ids=[0])
+    prompts = [[5, 6, 7], [9, 2, 4], [5, 6, 7], [1, 1, 3]]
+    specs = [
+        SamplingSpec(max_tokens=6, seed=1),
+        SamplingSpec(max_tokens=2, seed=2, top_k=5),
+        SamplingSpec(max_tokens=6, seed=3, ignore_eos=True, temperature=0.7),
+        SamplingSpec(max_tokens=6, temperature=0.0, repetition_penalty=1.3),
+    ]
+    batch = sampler.generate_batch(prompts, specs)
+    for prompt, spec, got in zip(prompts, specs, batch, strict=True):
+        alone = sampler.generate(prompt, spec)
+        assert got.token_ids == alone.token_ids and got.finish_reason == alone.finish_reason
+        assert got.log_probs == pytest.approx(alone.log_probs, abs=1e-5)
+        tf = teacher_forced_logprobs(tiny_moe, prompt, got.token_ids)
+        if spec.temperature == 1.0 and spec.top_k <= 0:
+            assert torch.allclose(torch.tensor(got.log_probs), tf, atol=1e-4)
+    assert len(batch[1].token_ids) <= 2
+    assert len({len(g.token_ids) for g in batch}) > 1  # rows ended at different steps
+
+
+def test_batch_routing_rows_select_each_requests_own_rows(tiny_moe):
+    from verl_stable.cpu.hf_rollout import routing_exporter
+    from verl_stable.routing import capture
+
+    exporter = routing_exporter(tiny_moe)
+    assert exporter.batched
+    sampler = KVCachedSampler(tiny_moe, max_model_len=32)
+    prompts = [[5, 6, 7, 8], [9, 2, 4, 4], [3, 3, 3, 3]]
+    specs = [SamplingSpec(max_tokens=n, seed=n, ignore_eos=True) for n in (5, 1, 3)]
+    batch = sampler.generate_batch(prompts, specs, routing_capture=exporter.capture)
+    assert all(g.routing is batch[0].routing for g in batch)
+    # a forward of [B, T] routes B*T rows in (b, t) order: prefill 12 rows, then 3 rows per decode step
+    for b, g in enumerate(batch):
+        rows = g.extra["routing_rows"]
+        assert rows[:4] == list(range(4 * b, 4 * b + 4))
+        assert rows[4:] == [12 + 3 * s + b for s in range(len(g.token_ids) - 1)]  # the last token is never fed
+    # each request's rows are the routing of a teacher-forced forward of that request alone
+    for prompt, g in zip(prompts, batch, strict=True):
+        with torch.no_grad(), capture(tiny_moe) as rec:
+            tiny_moe(input_ids=torch.tensor([prompt + g.token_ids[:-1]]))
+        alone = rec.trace.to_tensor().long()
+        assert torch.equal(g.routing.ids()[torch.tensor(g.extra["routing_rows"])], alone)
+        assert (exporter.to_array(g.routing, g.extra["routing_rows"]) == exporter.to_array(rec)).all()
+
+
+def test_batch_bad_input(tiny_moe):
+    sampler = KVCachedSampler(tiny_moe, max_model_len=8)
+    with pytest.raises(ValueError, match="prompts of one length"):
+        sampler.generate_batch([[1, 2], [1, 2, 3]], [SamplingSpec(max_tokens=1)] * 2)
+    with pytest.raises(ValueError, match="one spec per prompt"):
+        sampler.generate_batch([[1, 2]], [SamplingSpec(max_tokens=1)] * 2)
+    with pytest.raises(ValueError, match="one spec per prompt"):
+        sampler.generate_batch([], [])
+    with pytest.raises(ValueError, match="out of range"):
+        sampler.generate_batch([[1, 2], [1, 999]], [SamplingSpec(max_tokens=1)] * 2)

@@ -16,7 +16,8 @@ def test_options_from_verl_knobs():
     assert hf_rollout.resolve_options({"dtype": "float32"}).precision == "fp32"
     assert hf_rollout.resolve_options({"dtype": "bfloat16", "quantization": "fp8"}).precision == "fp8"
     opts = hf_rollout.resolve_options({"engine_kwargs": {"hf": {"precision": "fp16", "sync_weights": False}}})
-    assert opts.precision == "fp16" and opts.sync_weights is False
+    assert opts.precision == "fp16" and opts.sync_weights is False and opts.max_batch_size == 64
+    assert hf_rollout.resolve_options({"engine_kwargs": {"hf": {"max_batch_size": 1}}}).max_batch_size == 1
 
 
 @pytest.mark.parametrize(
@@ -25,6 +26,7 @@ def test_options_from_verl_knobs():
         ({"engine_kwargs": {"hf": {"precision": "int4"}}}, "unknown rollout precision"),
         ({"engine_kwargs": {"hf": {"bogus": 1}}}, "unknown rollout.engine_kwargs.hf options"),
         ({"dtype": "float64"}, "not supported by the hf backend"),
+        ({"engine_kwargs": {"hf": {"max_batch_size": 0}}}, "max_batch_size must be >= 1"),
     ],
 )
 def test_bad_options_are_clear_errors(cfg, match):

@@ -15,7 +15,7 @@ PROMPT = [3, 7, 5, 9, 20, 4, 5, 3, 8, 5]
 PARAMS = dict(temperature=1.0, top_p=1.0, top_k=-1, repetition_penalty=1.0, logprobs=True, seed=0)
 
 
-def _server(path, precision="fp32"):
+def _server(path, precision="fp32", **hf):
     from verl.workers.config import HFModelConfig, RolloutConfig
 
     cfg = RolloutConfig(
@@ -24,7 +24,7 @@ def _server(path, precision="fp32"):
         response_length=6,
         tensor_model_parallel_size=1,
         enable_rollout_routing_replay=True,
-        engine_kwargs={"hf": {"precision": precision}},
+        engine_kwargs={"hf": {"precision": precision, **hf}},
     )
     return hf_rollout.HFRolloutServer(cfg, HFModelConfig(path=str(path)))
 
@@ -69,7 +69,7 @@ def test_unroutable_model_family_is_a_clear_error(cpu_assets, tmp_path):
 def test_lean_generation_capture_equals_general_capture(tiny_moe):
     from verl_stable.cpu.generation import KVCachedSampler, SamplingSpec
 
-    capture_factory, to_array = hf_rollout.routing_exporter(tiny_moe)
+    capture_factory, to_array, _ = hf_rollout.routing_exporter(tiny_moe)
     sampler = KVCachedSampler(tiny_moe, max_model_len=32)
     spec = SamplingSpec(max_tokens=8, ignore_eos=True, seed=3)
     prompt = [3, 7, 5, 9, 20]
@@ -88,9 +88,30 @@ def test_lean_generation_capture_equals_general_capture(tiny_moe):
 
 
 def test_lean_capture_reports_a_bypassed_router(tiny_moe):
-    capture_factory, _ = hf_rollout.routing_exporter(tiny_moe)
+    capture_factory, _, _ = hf_rollout.routing_exporter(tiny_moe)
     with torch.no_grad(), capture_factory(tiny_moe) as rec:
         tiny_moe(input_ids=torch.tensor([[3, 4, 5]]))
     rec.rows[1].pop()  # as if layer 1's router had not run in the last forward
     with pytest.raises(UnsupportedModelError, match=r"decoder layers \[1\] did not run"):
         rec.ids()
+
+
+def test_concurrent_requests_are_batched_and_equal_one_at_a_time(cpu_assets):
+    """The server's cross-request batching changes nothing a request gets back: tokens, log-probs, routing."""
+    batched, serial = _server(cpu_assets.model_dir), _server(cpu_assets.model_dir, max_batch_size=1)
+    prompts = [PROMPT, PROMPT, PROMPT[::-1], PROMPT[:7], PROMPT[:7], PROMPT]
+
+    async def run(server):
+        calls = [
+            server.generate(prompt_ids=p, sampling_params=dict(PARAMS, seed=i), request_id=f"r{i}")
+            for i, p in enumerate(prompts)
+        ]
+        return await asyncio.gather(*calls)
+
+    got, want = asyncio.run(run(batched)), asyncio.run(run(serial))
+    assert (batched.batcher.stats.requests, batched.batcher.stats.batches) == (6, 2)  # lengths 10 and 7
+    assert serial.batcher.stats.batches == 6
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        assert g.log_probs == pytest.approx(w.log_probs, abs=1e-5)
+        assert g.routed_experts.dtype == w.routed_experts.dtype and (g.routed_experts == w.routed_experts).all()

@@ -104,7 +104,13 @@ RoutingCapture = Callable[[nn.Module], contextlib.AbstractContextManager]
 
 
 class KVCachedSampler:
-    """Samples completions from ``model`` one request at a time with a KV cache.
+    """Samples completions from ``model`` with a KV cache, one request or a batch of equal-length prompts at a time.
+
+    A batch of ``B`` prompts of the same length ``T`` runs as one prefill forward ``[B, T]`` and then one decode
+    forward ``[B, 1]`` per step: no padding, so every row attends exactly to its own tokens and computes what the
+    one-request path computes (up to floating-point summation order in batched matrix products). A row that has
+    finished keeps being fed its last token until the longest row ends; its outputs are discarded. Each row samples
+    with its own :class:`SamplingSpec` (and its own seeded generator).
 
     Args:
         model: a ``transformers`` causal LM in eval mode.
@@ -132,53 +138,95 @@ class KVCachedSampler:
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
 
-    @torch.no_grad()
     def generate(
         self,
         prompt_ids: Sequence[int],
         spec: SamplingSpec,
         routing_capture: RoutingCapture | None = None,
     ) -> Generation:
-        """Sample one completion of ``prompt_ids``.
+        """Sample one completion of ``prompt_ids`` (a batch of one, see :meth:`generate_batch`).
 
-        ``max_tokens`` is clamped to the room left under ``max_model_len``. With ``routing_capture``, the model's
-        forward passes run inside ``routing_capture(model)`` and the recorder it yields is returned as
-        ``Generation.routing`` (rows: every prompt token, then every sampled token that was fed back).
+        With ``routing_capture``, ``Generation.routing`` is the recorder and every row it recorded belongs to this
+        request: every prompt token, then every sampled token that was fed back.
         """
-        self.check_prompt(prompt_ids)
-        max_tokens = max(1, min(int(spec.max_tokens), self.max_model_len - len(prompt_ids)))
-        stop_ids = set(spec.stop_token_ids)
-        if not spec.ignore_eos:
-            stop_ids |= set(self.eos_token_ids)
-        generator = None
-        if spec.seed is not None:
-            generator = torch.Generator().manual_seed(int(spec.seed))
+        return self.generate_batch([prompt_ids], [spec], routing_capture)[0]
+
+    @torch.no_grad()
+    def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        specs: Sequence[SamplingSpec],
+        routing_capture: RoutingCapture | None = None,
+    ) -> list[Generation]:
+        """Sample one completion per prompt; all prompts must have the same length.
+
+        ``max_tokens`` of each row is clamped to the room left under ``max_model_len``. With ``routing_capture``, the
+        forwards run inside ``routing_capture(model)``; every Generation gets the shared recorder as ``routing`` and,
+        in ``extra["routing_rows"]``, the indices of its own rows among the rows the recorder saw in call order
+        (prefill: ``b * T + t``; decode step ``s``: ``B * T + s * B + b``): its prompt tokens, then each of its sampled
+        tokens that was fed back.
+
+        Raises:
+            ValueError: no prompts, a spec count that differs from the prompt count, prompts of different lengths, or a
+                bad prompt (see :meth:`check_prompt`).
+        """
+        if not prompts or len(prompts) != len(specs):
+            raise ValueError(
+                f"generate_batch needs one spec per prompt, got {len(prompts)} prompts, {len(specs)} specs"
+            )
+        lengths = {len(p) for p in prompts}
+        if len(lengths) != 1:
+            raise ValueError(f"generate_batch needs prompts of one length, got lengths {sorted(lengths)}")
+        for prompt in prompts:
+            self.check_prompt(prompt)
+        batch, prompt_len = len(prompts), lengths.pop()
+        room = self.max_model_len - prompt_len
+        max_tokens = [max(1, min(int(s.max_tokens), room)) for s in specs]
+        stop_ids = [set(s.stop_token_ids) | (set() if s.ignore_eos else set(self.eos_token_ids)) for s in specs]
+        generators = [torch.Generator().manual_seed(int(s.seed)) if s.seed is not None else None for s in specs]
         device = next(self.model.parameters()).device
-        ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
-        seen = ids[0].clone()
-        out_ids: list[int] = []
-        out_logp: list[float] = []
-        finish = "length"
+        ids = torch.tensor([list(p) for p in prompts], dtype=torch.long, device=device)
+        seen = [ids[b].clone() for b in range(batch)]
+        out_ids: list[list[int]] = [[] for _ in range(batch)]
+        out_logp: list[list[float]] = [[] for _ in range(batch)]
+        finish = ["length"] * batch
+        rows = [list(range(b * prompt_len, (b + 1) * prompt_len)) for b in range(batch)]
+        active = [True] * batch
+        recorded = batch * prompt_len
         ctx = routing_capture(self.model) if routing_capture is not None else contextlib.nullcontext()
         with ctx as recorder:
             outputs = self.model(input_ids=ids, use_cache=True)
             past = outputs.past_key_values
-            logits = outputs.logits[0, -1]
-            for step in range(max_tokens):
-                token, logp = sample_token(logits, spec, generator, seen)
-                out_ids.append(token)
-                out_logp.append(logp)
-                if token in stop_ids:
-                    finish = "stop"
+            logits = outputs.logits[:, -1]
+            while True:
+                feed = [False] * batch
+                for b in range(batch):
+                    if not active[b]:
+                        continue
+                    token, logp = sample_token(logits[b], specs[b], generators[b], seen[b])
+                    out_ids[b].append(token)
+                    out_logp[b].append(logp)
+                    if token in stop_ids[b]:
+                        finish[b], active[b] = "stop", False
+                    elif len(out_ids[b]) == max_tokens[b]:
+                        active[b] = False
+                    else:
+                        feed[b] = True
+                if not any(feed):
                     break
-                if step + 1 == max_tokens:
-                    break
-                seen = torch.cat([seen, seen.new_tensor([token])])
-                step_ids = torch.tensor([[token]], dtype=torch.long, device=device)
+                for b in range(batch):
+                    if feed[b]:
+                        rows[b].append(recorded + b)
+                        seen[b] = torch.cat([seen[b], seen[b].new_tensor([out_ids[b][-1]])])
+                step_ids = torch.tensor([[o[-1]] for o in out_ids], dtype=torch.long, device=device)
                 outputs = self.model(input_ids=step_ids, past_key_values=past, use_cache=True)
+                recorded += batch
                 past = outputs.past_key_values
-                logits = outputs.logits[0, -1]
-        return Generation(out_ids, out_logp, finish, routing=recorder)
+                logits = outputs.logits[:, -1]
+        return [
+            Generation(out_ids[b], out_logp[b], finish[b], routing=recorder, extra={"routing_rows": rows[b]})
+            for b in range(batch)
+        ]
 
 
 @torch.no_grad()

@@ -16,7 +16,8 @@ Three pieces, each where verl looks for it (see :mod:`verl_stable.cpu.contracts`
 Backend options live in ``actor_rollout_ref.rollout.engine_kwargs.hf`` (verl's per-backend dict):
 ``precision`` (fp32 | bf16 | fp16 | fp8; default from ``rollout.dtype``, or fp8 when ``rollout.quantization=fp8``),
 ``sync_weights`` (default true; false keeps the rollout at its initial weights -- a deliberate-drift control),
-``num_threads`` (torch threads in the server, default: torch's).
+``num_threads`` (torch threads in the server, default: torch's), ``max_batch_size`` (default 64: concurrent requests with
+prompts of one length are sampled as one batch, see :mod:`verl_stable.cpu.batching`; 1 samples one request at a time).
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ import re
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from verl_stable.cpu.batching import RequestBatcher
 from verl_stable.cpu.generation import KVCachedSampler, SamplingSpec
 from verl_stable.cpu.precision import canonical_precision, dequantize_fp8_rows, fp8_weight_names, quantize_fp8_rows
 
@@ -56,6 +58,7 @@ class HFOptions:
     precision: str = "bf16"
     sync_weights: bool = True
     num_threads: int | None = None
+    max_batch_size: int = 64
 
 
 def resolve_options(config: Any) -> HFOptions:
@@ -66,10 +69,10 @@ def resolve_options(config: Any) -> HFOptions:
     """
     engine_kwargs = dict(_get(config, "engine_kwargs", {}) or {})
     raw = dict(engine_kwargs.get(BACKEND, {}) or {})
-    unknown = set(raw) - {"precision", "sync_weights", "num_threads"}
+    unknown = set(raw) - set(HFOptions.__dataclass_fields__)
     if unknown:
         raise ValueError(
-            f"unknown rollout.engine_kwargs.hf options {sorted(unknown)}; known: precision, sync_weights, num_threads"
+            f"unknown rollout.engine_kwargs.hf options {sorted(unknown)}; known: {sorted(HFOptions.__dataclass_fields__)}"
         )
     if raw.get("precision") is not None:
         precision = canonical_precision(raw["precision"])
@@ -83,7 +86,10 @@ def resolve_options(config: Any) -> HFOptions:
             )
         precision = _DTYPE_TO_PRECISION[dtype]
     threads = raw.get("num_threads")
-    return HFOptions(precision, bool(raw.get("sync_weights", True)), int(threads) if threads else None)
+    max_batch = int(raw.get("max_batch_size", HFOptions.max_batch_size))
+    if max_batch < 1:
+        raise ValueError(f"rollout.engine_kwargs.hf.max_batch_size must be >= 1, got {max_batch}")
+    return HFOptions(precision, bool(raw.get("sync_weights", True)), int(threads) if threads else None, max_batch)
 
 
 def _get(obj: Any, key: str, default: Any = None) -> Any:
@@ -195,6 +201,7 @@ class RouterIdsRecorder:
         self.routing = routing
         self.layers = routing.layout.moe_layers
         self.rows: list[list[torch.Tensor]] = [[] for _ in routing.sites]
+        self._ids: torch.Tensor | None = None
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[RouterIdsRecorder]:
@@ -217,9 +224,11 @@ class RouterIdsRecorder:
         return hook
 
     def ids(self) -> torch.Tensor:
-        """``[rows, moe_layers, top_k]`` expert ids of every routed row, in call order."""
+        """``[rows, moe_layers, top_k]`` expert ids of every routed row, in call order (computed once per recording)."""
         from verl_stable.routing import UnsupportedModelError
 
+        if self._ids is not None and self._ids.shape[0] == sum(int(t.shape[0]) for t in self.rows[0]):
+            return self._ids
         per_layer = [torch.cat(rows) if rows else torch.empty(0, self.routing.layout.top_k) for rows in self.rows]
         counts = {int(t.shape[0]) for t in per_layer}
         if len(counts) != 1:
@@ -228,14 +237,26 @@ class RouterIdsRecorder:
                 f"the routers of MoE decoder layers {short} did not run on every token: the MoE block was bypassed "
                 "(hub kernel or a custom forward?), so routing was not captured"
             )
-        return torch.stack(per_layer, dim=1)
+        self._ids = torch.stack(per_layer, dim=1)
+        return self._ids
 
 
-def routing_exporter(model: torch.nn.Module) -> tuple[Any, Any]:
-    """Return ``(capture_factory, to_array)`` exporting ``model``'s routing via :mod:`verl_stable.routing`.
+class RoutingExporter(NamedTuple):
+    """How the server exports routing: ``capture(model)`` context, ``to_array(recorder, rows=None)`` (vLLM layout of
+    all recorded rows, or of the given row indices), and whether one recording may span a batch of requests."""
 
-    The model is bound once, here. Router-output families (qwen3_moe, mixtral, ...) get :class:`RouterIdsRecorder`;
-    the others (an instance-level routing method) the general :func:`verl_stable.routing.capture`.
+    capture: Any
+    to_array: Any
+    batched: bool
+
+
+def routing_exporter(model: torch.nn.Module) -> RoutingExporter:
+    """Return a :class:`RoutingExporter` of ``model``'s routing via :mod:`verl_stable.routing`.
+
+    The model is bound once, here. Router-output families (qwen3_moe, mixtral, ...) get :class:`RouterIdsRecorder`,
+    whose rows follow the flattened ``[batch * tokens]`` order of each forward, so one recording serves a batch of
+    requests; the others (an instance-level routing method) the general :func:`verl_stable.routing.capture`, one
+    request per recording.
 
     Raises:
         verl_stable.routing.UnsupportedModelError: a model family the routing package cannot route (a ValueError
@@ -255,11 +276,13 @@ def routing_exporter(model: torch.nn.Module) -> tuple[Any, Any]:
     else:
         capture_factory = capture
 
-    def to_array(recorder: Any) -> Any:
+    def to_array(recorder: Any, rows: Any = None) -> Any:
         ids = recorder.ids() if isinstance(recorder, RouterIdsRecorder) else recorder.trace.to_tensor()
+        if rows is not None:
+            ids = ids[torch.as_tensor(rows, dtype=torch.long)]
         return routed_experts_array(ids, list(recorder.layers), layout.num_hidden_layers, layout.num_experts)
 
-    return capture_factory, to_array
+    return RoutingExporter(capture_factory, to_array, routing.spec.site_kind == ROUTER_OUTPUT)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -289,6 +312,12 @@ class HFRolloutServer:
         self.max_model_len = int(min(max_len, getattr(hf_config, "max_position_embeddings", max_len)))
         self.sampler = KVCachedSampler(self.model, self.max_model_len, _eos_ids(self.model_config, hf_config))
         self.routing = routing_exporter(self.model) if self.config.enable_rollout_routing_replay else None
+        batched = self.routing is None or self.routing.batched
+        self.batcher = RequestBatcher(
+            self._generate_batch, key=lambda request: len(request[0]), max_batch_size=self.options.max_batch_size
+        )
+        if not batched:
+            self.batcher.max_batch_size = 1
         self.global_steps = 0
         self._lock = threading.Lock()
         self._loader: WeightLoader | None = None
@@ -322,13 +351,16 @@ class HFRolloutServer:
             seed=params.get("seed"),
         )
 
-    def _generate_blocking(self, prompt_ids: list[int], spec: SamplingSpec) -> Any:
+    def _generate_batch(self, requests: list[tuple[list[int], SamplingSpec]]) -> list[Any]:
+        """Blocking: sample a batch of equal-length prompts (under the weight lock) and export each one's routing."""
         with self._lock:
-            capture = self.routing[0] if self.routing else None
-            gen = self.sampler.generate(prompt_ids, spec, routing_capture=capture)
+            capture = self.routing.capture if self.routing else None
+            prompts, specs = [r[0] for r in requests], [r[1] for r in requests]
+            gens = self.sampler.generate_batch(prompts, specs, routing_capture=capture)
             if self.routing:
-                gen.routing = self.routing[1](gen.routing)
-            return gen
+                for gen in gens:
+                    gen.routing = self.routing.to_array(gen.routing, gen.extra["routing_rows"])
+            return gens
 
     async def generate(
         self,
@@ -348,7 +380,7 @@ class HFRolloutServer:
         self.sampler.check_prompt(prompt_ids)
         spec = self._spec(len(prompt_ids), sampling_params)
         await self._gate.wait()
-        gen = await asyncio.to_thread(self._generate_blocking, prompt_ids, spec)
+        gen = await self.batcher.submit((prompt_ids, spec))
         want_logprobs = bool(sampling_params.get("logprobs", False))
         return TokenOutput(
             token_ids=gen.token_ids,
