@@ -6,8 +6,12 @@ x ``--n`` responses with prompt lengths U[P/4, P] and response lengths U[R/64, R
 
 * ``verl-padded``: verl 0.9.1 legacy agent loop, int16 ``[B, P + R, 48, 8]`` zero-padded;
 * ``verl-jagged``: verl 0.9.1 V1 (TransferQueue), int16 ``[P_i + R_i, 48, 8]`` per sample, no padding;
-* ``stable-fields``: verl-stable's per-sample V1 fields (uint8, MoE layers, recorded rows only);
-* ``stable-packed``: verl-stable's :class:`PackedRouting` (also prompt rows once per group).
+* ``stable-fields``: verl-stable's per-sample V1 fields (uint8, MoE layers, recorded rows only), sharing off
+  (``+verl_stable.routing.share_prompt_rows=false``): prompt rows once per *sample*;
+* ``stable-shared``: what verl-stable's V1 agent-loop workers put by default: the per-sample fields without the
+  prompt rows of a group (``+ stable_routing_prompt_ref``) plus one side entry of prompt rows per group
+  (:func:`~verl_stable.integration.rollout.shared_sample_fields`);
+* ``stable-packed``: verl-stable's :class:`PackedRouting` (one object per batch, prompt rows once per group).
 
 Each payload is ``ray.put`` by the driver and fetched by a Ray task in another process, which checks its size;
 "object bytes" is the pickle-5 size Ray stores (in-band + out-of-band buffers). Peak host memory is the driver's
@@ -34,6 +38,7 @@ import numpy as np
 import psutil
 import torch
 
+from verl_stable.integration.rollout import BOUNDARY_COLUMNS, PromptRowSharing, shared_sample_fields
 from verl_stable.routing.codecs import decode_vllm
 from verl_stable.routing.trace import RoutingLayout
 from verl_stable.routing.transport import IDS_FIELD, PackedRouting, sample_fields
@@ -78,6 +83,14 @@ def build(kind: str, samples, max_prompt: int, max_response: int):
     decoded = [decode_vllm(rows, prompt_len=p, response_len=r, layout=LAYOUT) for rows, p, r in samples]
     if kind == "stable-fields":
         return [sample_fields(d, LAYOUT) for d in decoded]
+    if kind == "stable-shared":  # per-sample entries, then one side entry per group, as the V1 workers put them
+        sharing, entries, sides = PromptRowSharing(), [], []
+        for i, (d, (_, p, _)) in enumerate(zip(decoded, samples, strict=True)):
+            fields, share = shared_sample_fields(d, LAYOUT, sharing, prompt_len=p, uid=f"g{i // ARGS.n}")
+            entries.append(fields)
+            if share.side is not None:
+                sides.append({IDS_FIELD: share.side.ids})
+        return entries + sides
     groups = [i // ARGS.n for i in range(len(samples))]
     return PackedRouting.pack(decoded, [p for _, p, _ in samples], groups, LAYOUT)
 
@@ -127,7 +140,7 @@ def main() -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     context = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     env = {**os.environ, "RAY_ADDRESS": context.address_info["address"]}
-    kinds = ["verl-padded", "verl-jagged", "stable-fields", "stable-packed"]
+    kinds = ["verl-padded", "verl-jagged", "stable-fields", "stable-shared", "stable-packed"]
     results: dict[str, dict[str, list[float]]] = {k: {"bytes": [], "obj": [], "peak": [], "sec": []} for k in kinds}
     argv = [f"--groups={ARGS.groups}", f"--n={ARGS.n}", f"--prompt={ARGS.prompt}", f"--response={ARGS.response}"]
     for _ in range(ARGS.rounds):
@@ -167,8 +180,19 @@ def main() -> None:
         f"stable padding bytes: {pad_bytes} (fields), prompt rows stored {packed.stats.prompt_rows_stored} of "
         f"{packed.stats.prompt_rows} (once per group: {packed.stats.prompt_rows_stored == sum(s[1] for s in samples[:: ARGS.n])})"
     )
+    shared = build("stable-shared", samples, ARGS.prompt, ARGS.response)
+    counters = 8 * len(BOUNDARY_COLUMNS)  # the per-sample boundary counters travel on both V1 paths
+    per_sample = payload_nbytes(fields) + counters * len(samples)
+    per_group = payload_nbytes(shared) + counters * len(samples)
+    jagged = payload_nbytes(build("verl-jagged", samples, ARGS.prompt, ARGS.response))
     print(
-        f"target <= 0.5x verl bytes/real token: stable-packed "
+        f"V1 path bytes/real token (fields + counters): per sample {per_sample / real_tokens:.1f}, per group "
+        f"{per_group / real_tokens:.1f} ({per_sample / per_group:.2f}x less); verl V1 {jagged / real_tokens:.1f} "
+        f"(per group = {per_group / jagged:.3f}x verl)"
+    )
+    print(
+        f"target <= 0.5x verl bytes/real token: stable-shared (V1) "
+        f"{statistics.median(results['stable-shared']['obj']) / real_tokens / base:.3f}x, stable-packed "
         f"{statistics.median(results['stable-packed']['obj']) / real_tokens / base:.3f}x"
     )
 

@@ -136,11 +136,11 @@ def test_boundary_counters_travel_with_each_sample():
         assert c[columns["bytes"]] == d[IDS_FIELD].numel() + 16 + 8 * len(rollout.BOUNDARY_COLUMNS)
     assert stats.samples == 3 and stats.skipped_samples == 1 and stats.errors == {"ZeroRoutingError": 1}
 
-    batch = list_of_dict_to_tensordict(dicts)  # verl's stacking: equal shapes -> [B, 6]
+    batch = list_of_dict_to_tensordict(dicts)  # verl's stacking: equal shapes -> [B, columns]
     metrics = rollout.transport_metrics(batch[rollout.BOUNDARY_FIELD])
     prefix = rollout.TRANSPORT_METRIC_PREFIX
     ids_bytes = [d[IDS_FIELD].numel() for d in dicts]
-    moved = sum(ids_bytes) + 3 * (16 + 48)
+    moved = sum(ids_bytes) + 3 * (16 + 8 * len(rollout.BOUNDARY_COLUMNS))
     assert metrics == {
         f"{prefix}samples": 3.0,
         f"{prefix}skipped_samples": 1.0,
@@ -151,6 +151,10 @@ def test_boundary_counters_travel_with_each_sample():
         f"{prefix}bytes_per_token": moved / 25,
         f"{prefix}bytes_ratio": moved / (sum(verl_bytes) + 100),
         f"{prefix}error/ZeroRoutingError": 1.0,
+        f"{prefix}prompt_groups_shared": 0.0,  # sharing is the worker's (test_prompt_sharing.py)
+        f"{prefix}shared_prompt_rows": 0.0,
+        f"{prefix}prompt_rows_deduplicated": 0.0,
+        f"{prefix}prompt_rows_differ": 0.0,
     }
     kept = rollout.transport_metrics(batch[rollout.BOUNDARY_FIELD], keep=[True, False, False])
     assert kept[f"{prefix}samples"] == 1.0 and kept[f"{prefix}recorded_rows"] == 6.0
@@ -247,6 +251,7 @@ def test_manager_resolves_by_fqn_and_worker_postprocess_puts_compact_fields(monk
     worker.stable_routing_enabled = True
     worker.stable_routing_layout, worker.stable_routing_options = LAYOUT, rollout.RolloutRoutingOptions()
     worker.stable_routing_stats = BoundaryStats()
+    worker.stable_prompt_sharing, worker.stable_prompt_puts = rollout.PromptRowSharing(), {}
     put = {}
 
     async def capture(keys, fields, tags, partition_id):  # TransferQueue's put, the only stand-in
@@ -261,6 +266,7 @@ def test_manager_resolves_by_fqn_and_worker_postprocess_puts_compact_fields(monk
     assert put["keys"] == ["u0_0_0"] and "routed_experts" not in fields.keys()
     assert fields[rollout.BOUNDARY_FIELD][0, 1].item() == 6  # recorded rows, stored with the sample
     assert fields[SPAN_FIELD].tolist() == [[0, 6]]
+    assert fields[rollout.PROMPT_REF_FIELD].tolist() == [[0, 0, 0]]  # called outside _run_prompt: a group of one
     np.testing.assert_array_equal(fields[IDS_FIELD][0].numpy(), expected)
     assert worker.stable_routing_metrics()["stable/routing/samples"] == 1.0
 
@@ -273,7 +279,10 @@ def test_register_checks_verl_interfaces():
 # ------------------------------------------------------------------------------------------------ end to end
 @pytest.mark.e2e
 def test_e2e_r3_actors_receive_the_compact_form_and_replay_it(tmp_path):
-    """verl's main_ppo on the CPU runtime: hf rollout (fp32) -> compact manager -> TransferQueue -> FSDP R3 replay."""
+    """verl's main_ppo on the CPU runtime: hf rollout (fp32) -> compact manager -> TransferQueue -> FSDP R3 replay.
+
+    The prompt rows travel once per group (side entries re-attached on the actors): every update still replays
+    exactly the rollout's experts."""
     from verl_stable.cpu import launch
     from verl_stable.integration import fsdp_engine as fe
     from verl_stable.lab.assets import AssetSpec, ensure_assets
@@ -284,13 +293,18 @@ def test_e2e_r3_actors_receive_the_compact_form_and_replay_it(tmp_path):
         f"trainer.default_local_dir={tmp_path / 'checkpoints'}",
         "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
         f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={rollout.MANAGER_FQN}",
+        "trainer.v1.trainer_mode=stable_sync",  # logs stable/routing/transport/* and clears the side entries
     ]
     proc = launch.run_main_ppo(overrides, tmp_path / "run", timeout_s=1500)
     log = (tmp_path / "run" / "main_ppo.log").read_text()
     assert proc.returncode == 0, log[-4000:]
     rows = launch.read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
-    for row in rows:
-        assert row[f"actor/{fe.METRIC_PREFIX}disagreement"] == 0.0  # every update used the rollout's experts
-        assert row[f"actor/{fe.METRIC_PREFIX}replayed_rows"] > 0
-        assert row[f"actor/{fe.METRIC_PREFIX}missing_rows"] > 0  # at least each sample's last token
+    for row in rows:  # the stable trainer logs verl's actor/stable/* as stable/*
+        assert row[f"{fe.METRIC_PREFIX}disagreement"] == 0.0  # every update used the rollout's experts
+        assert row[f"{fe.METRIC_PREFIX}replayed_rows"] > 0
+        assert row[f"{fe.METRIC_PREFIX}missing_rows"] > 0  # at least each sample's last token
+        transport = {k.removeprefix(rollout.TRANSPORT_METRIC_PREFIX): v for k, v in row.items() if "transport/" in k}
+        assert transport["prompt_groups_shared"] == 4.0  # 4 prompts x rollout.n = 4: each prompt's rows put once
+        assert transport["prompt_rows_deduplicated"] > 0 and transport["prompt_rows_differ"] < transport["samples"]
+        assert transport["samples"] == 16.0 and transport["bytes"] < transport["verl_bytes"]

@@ -342,7 +342,8 @@ class RouterReplayMixin:
     def forward_backward_batch(self, data: TensorDict, loss_function: Callable, forward_only: bool = False) -> Any:
         if self._model_routing is not None:
             # The rollout side ships compact uint8 routing (integration.rollout); expand it to verl's layout here,
-            # on the actor, only for the batch being processed.
+            # on the actor, only for the batch being processed (after one TransferQueue read of the prompt rows
+            # its groups share, see rollout.attach_shared_prompt_rows).
             expand_compact_routing(data, self._model_routing.layout)
         action = self._action_for(data, forward_only)
         if action is ReplayAction.NONE:

@@ -22,17 +22,34 @@ starts agent-loop workers that, before the sample is stored:
    the counters back with :func:`fetch_transport_metrics` (one 48-byte field per sample) and logs them as
    ``stable/routing/transport/*``.
 
-Prompt rows are stored once per *sample* on this path, not once per group: verl's V1 agent loop runs the
-``rollout.n`` sessions of a prompt as independent tasks that each put their own TransferQueue row as soon as they
-finish (``AgentLoopWorkerTQ._agent_loop_postprocess``, key ``{uid}_{session}_{i}``), and the trainer then balances,
-filters and shuffles those rows individually across data-parallel ranks and mini-batches. Sharing the prompt rows
-would make one sample's replay depend on a sibling's row that may sit on another rank, in another mini-batch, or be
-dropped (failed session, staleness or rejection filters), i.e. a cross-rank TransferQueue read per mini-batch and a
-lifetime rule for a row that is not a sample. The cost of not sharing (bytes per real token, Qwen3-30B-A3B shape,
-``benchmarks/bench_routing_transport.py``'s batch builder; verl V1 stores 768): 384 per sample vs 313 once per group
-for n = 8, prompts up to 1k and responses up to 4k tokens (1.23x); 287 for n = 16 (1.34x); with prompts up to 4k,
-196 (n = 8, 1.96x) and 171 (n = 16, 2.25x). :class:`~verl_stable.routing.transport.PackedRouting` deduplicates where
-a whole batch travels as one object.
+Prompt rows travel once per *group* (``+verl_stable.routing.share_prompt_rows``, default true; ``false`` keeps
+every row with its sample). verl's V1 agent loop runs the ``rollout.n`` sessions of a prompt in one worker
+(``AgentLoopWorkerTQ._run_prompt``) as independent tasks that each put their own TransferQueue row as soon as they
+finish (key ``{uid}_{session}_{i}``); the trainer then balances, filters and shuffles those rows individually across
+data-parallel ranks and mini-batches. So the shared copy is a TransferQueue entry of its own, not a sample:
+
+1. worker: the first finished sample of a group (more than one sample) puts its validated prompt rows
+   ``[start, prompt_len)`` into the partition :data:`PROMPT_PARTITION` (verl's trainer samples only ``train`` /
+   ``val``), under a 128-bit key of the uid, partition, start and the rows' bytes (:func:`prompt_rows_key`), before
+   its own row. A sibling whose prompt rows are identical stores only its later rows plus :data:`PROMPT_REF_FIELD`
+   (24 bytes) and waits for that put; a sibling whose rows differ (an engine may route the same prompt differently
+   across requests) keeps all its rows and is counted (never another sample's routing). The per-worker cache
+   (:class:`PromptRowSharing`) holds in-flight groups only;
+2. actor: :func:`expand_compact_routing` / :func:`routing_trace_from_batch` first re-attach the prompt rows
+   (:func:`attach_shared_prompt_rows`: one ``kv_batch_get`` of the (mini-)batch's distinct entries); a missing entry
+   raises :class:`SharedPromptRowsError`. Each data-parallel rank reads the entries of the groups it holds;
+3. lifetime: entries whose group has no key left in ``train`` / ``val`` are cleared
+   (:func:`clear_stale_prompt_rows`) by every worker when verl dispatches new prompts (any trainer class) and by
+   the stable trainers (``trainer.v1.trainer_mode=stable_*``) at every step start and after the last step, so they
+   follow verl's own ``kv_clear`` (after the step, on DAPO/failure eviction, after validation) within a step.
+
+``stable/routing/transport/bytes`` counts what the rollout put: each group's entry once (by the sample that put it),
+plus ``prompt_groups_shared``, ``shared_prompt_rows``, ``prompt_rows_deduplicated`` and ``prompt_rows_differ``.
+Bytes per real token on this path (Qwen3-30B-A3B shape, batch builder of ``benchmarks/bench_routing_transport.py``,
+fields + counters; verl V1 stores 768): responses up to 4k, prompts up to 1k: 384 per sample vs 314 per group for
+n = 8 (1.22x), 287 for n = 16 (1.34x); prompts up to 4k: 213 (n = 8, 1.80x) and 171 (n = 16, 2.25x).
+:class:`~verl_stable.routing.transport.PackedRouting` deduplicates the same way where a whole batch travels as one
+object.
 
 The actor rebuilds the token-aligned :class:`~verl_stable.routing.trace.RoutingTrace` of a micro-batch with
 :func:`routing_trace_from_batch`, or verl's own jagged ``routed_experts`` (for a replay engine written against verl's
@@ -48,8 +65,11 @@ Heavy verl imports (agent loop, TransferQueue, Ray) happen only when the manager
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import logging
-from collections.abc import Mapping
+import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -97,17 +117,45 @@ __all__ = [  # noqa: F822 - the verl subclasses are built lazily by the module _
     "read_sglang_routed_experts",
     "register",
     "routing_trace_from_batch",
+    "PROMPT_PARTITION",
+    "PROMPT_REF_FIELD",
+    "PromptRowSharing",
+    "ShareDecision",
+    "SharedPrompt",
+    "SharedPromptRowsError",
+    "attach_shared_prompt_rows",
+    "async_clear_stale_prompt_rows",
+    "clear_stale_prompt_rows",
+    "stale_prompt_entries",
+    "key_of_ref",
+    "prompt_ref",
+    "prompt_rows_key",
+    "shared_sample_fields",
 ]
 
 MANAGER_FQN = "verl_stable.integration.rollout.CompactRoutingAgentLoopManagerTQ"
 
 BOUNDARY_FIELD = "stable_routing_boundary"
 """Per-sample int64 ``[len(BOUNDARY_COLUMNS)]`` counters of the rollout boundary, stored next to the compact fields."""
-BOUNDARY_COLUMNS = ("tokens", "recorded_rows", "skipped", "error_code", "bytes", "verl_bytes")
+BOUNDARY_COLUMNS = (
+    "tokens",
+    "recorded_rows",
+    "skipped",
+    "error_code",
+    "bytes",
+    "verl_bytes",
+    "shared_prompt_rows",
+    "side_rows",
+    "prompt_rows_differ",
+)
 """``tokens``: prompt + response tokens; ``recorded_rows``: validated rows kept; ``skipped``: 1 when the sample's
 routing was refused under ``on_invalid=skip_sample``; ``error_code``: index of the refusal's class in
-:data:`BOUNDARY_ERRORS` (-1: none); ``bytes``: bytes of the compact fields; ``verl_bytes``: what verl 0.9.1's V1
-agent loop would have stored (int16 over every decoder layer and token position)."""
+:data:`BOUNDARY_ERRORS` (-1: none); ``bytes``: bytes this sample put into TransferQueue (its compact fields, plus the
+group's shared prompt rows when this sample put them); ``verl_bytes``: what verl 0.9.1's V1 agent loop would have
+stored (int16 over every decoder layer and token position); ``shared_prompt_rows``: leading rows this sample refers
+to in :data:`PROMPT_PARTITION` instead of storing; ``side_rows``: rows of the side entry this sample put (0 or its
+prompt rows; > 0 once per shared group); ``prompt_rows_differ``: 1 when its prompt rows differed from the group's
+stored copy and it kept them whole."""
 BOUNDARY_ERRORS: tuple[type[RoutingFormatError], ...] = (
     RoutingFormatError,
     LayerMapError,
@@ -126,9 +174,12 @@ class RolloutRoutingOptions:
     Attributes:
         on_invalid: ``"raise"`` (default) or ``"skip_sample"`` (train that sample with the model's own routing,
             count it in ``stable/routing/*`` and log a warning).
+        share_prompt_rows: store the prompt rows once per group in :data:`PROMPT_PARTITION` (default on;
+            ``+verl_stable.routing.share_prompt_rows=false`` keeps them with every sample).
     """
 
     on_invalid: str = "raise"
+    share_prompt_rows: bool = True
 
     def __post_init__(self) -> None:
         if self.on_invalid not in ON_INVALID:
@@ -141,7 +192,10 @@ class RolloutRoutingOptions:
         routing = section.get("routing", None) if section is not None else None
         if routing is None:
             return cls()
-        return cls(on_invalid=str(routing.get("on_invalid", "raise")))
+        share = routing.get("share_prompt_rows", True)
+        if not isinstance(share, bool):
+            raise ValueError(f"verl_stable.routing.share_prompt_rows must be true or false, got {share!r}")
+        return cls(on_invalid=str(routing.get("on_invalid", "raise")), share_prompt_rows=share)
 
 
 def generated_extent(response_mask: Any) -> int:
@@ -236,14 +290,17 @@ def _batch_rows(data: Any, lengths: list[int]) -> list[RoutedRows | None]:
     return rows
 
 
-def routing_trace_from_batch(data: Any, layout: RoutingLayout) -> RoutingTrace | None:
+def routing_trace_from_batch(data: Any, layout: RoutingLayout, kv_batch_get: Any = None) -> RoutingTrace | None:
     """Actor side: the token-aligned RoutingTrace of a (micro-)batch carrying the compact fields, else ``None``.
 
     Sequence ``i`` has ``prompt_len_i + response_len_i`` rows (``prompts`` / ``responses`` as stored per sample,
-    or ``input_ids``), in the order of the sample's tokens, valid where the engine recorded routing.
+    or ``input_ids``), in the order of the sample's tokens, valid where the engine recorded routing. Shared prompt
+    rows are re-attached first (:func:`attach_shared_prompt_rows`, reading with ``kv_batch_get``, default
+    TransferQueue's).
     """
     if IDS_FIELD not in data.keys():
         return None
+    attach_shared_prompt_rows(data, kv_batch_get)
     lengths = _sequence_lengths(data)
     return rows_to_trace(_batch_rows(data, lengths), lengths, layout)
 
@@ -260,23 +317,294 @@ def uses_compact_routing(config: Any) -> bool:
     return bool(export) and isinstance(fqn, str) and fqn.rsplit(".", 1)[-1] == "CompactRoutingAgentLoopManagerTQ"
 
 
-def expand_compact_routing(data: Any, layout: RoutingLayout) -> bool:
+def expand_compact_routing(data: Any, layout: RoutingLayout, kv_batch_get: Any = None) -> bool:
     """Actor side, per (mini-/micro-)batch: add verl's ``routed_experts`` from the compact fields, in place.
 
     Produces verl's V1 form, jagged int16 ``[B, (prompt_len_i + response_len_i), num_hidden_layers, top_k]`` aligned
     with the jagged ``input_ids``, zero rows where nothing was recorded, so a replay engine written for verl's layout
     (the FSDP engine, verl's Megatron/VeOmni replay) consumes it unchanged. The expansion lives only on the actor,
-    transiently; transport stays compact. Returns True when it added the field.
+    transiently; transport stays compact. Shared prompt rows are re-attached first
+    (:func:`attach_shared_prompt_rows`: one ``kv_batch_get`` of the batch's groups, default TransferQueue's).
+    Returns True when it added the field.
     """
     if IDS_FIELD not in data.keys() or "routed_experts" in data.keys():
         return False
     input_ids = data["input_ids"]
     if not input_ids.is_nested:
         raise RowCountError("expanding compact routing needs jagged input_ids (verl's V1 / TransferQueue batches)")
+    attach_shared_prompt_rows(data, kv_batch_get)
     lengths = input_ids.offsets().diff().tolist()
     rows = [r if r is not None else _no_rows(layout) for r in _batch_rows(data, lengths)]
     data["routed_experts"] = encode_verl_batch(rows, layout, lengths, nested=True).to(input_ids.device)
     return True
+
+
+# ------------------------------------------------------------------------------- prompt rows once per group
+PROMPT_PARTITION = "stable_routing_prompts"
+"""TransferQueue partition of the shared prompt rows. verl's V1 trainer samples only ``train`` / ``val``; its
+ReplayBuffer lists every partition but never materialises keys of another one."""
+PROMPT_REF_FIELD = "stable_routing_prompt_ref"
+"""Per-sample int64 ``[3]``: ``(rows, key_hi, key_lo)``. ``rows > 0``: the sample's first ``rows`` routing rows are
+not in its :data:`IDS_FIELD` but in the :data:`PROMPT_PARTITION` entry whose key is the 16 bytes ``key_hi, key_lo``
+(big-endian) in hex; ``rows == 0``: the sample carries all its rows (not shared, or already re-attached)."""
+SOURCE_PARTITIONS = ("train", "val")
+"""verl V1's sample partitions (``AgentLoopWorkerTQ``): a side entry lives while its group has a key in one."""
+
+
+class SharedPromptRowsError(RowCountError):
+    """A sample refers to shared prompt rows that TransferQueue does not hold (cleared too early, or never put)."""
+
+
+def prompt_rows_key(uid: str, partition: str, start: int, ids: torch.Tensor) -> str:
+    """Side-entry key: 128-bit BLAKE2b of the group, its partition, the first covered position and the rows' bytes.
+
+    The rows' content is part of the key, so two writers of one group (or a retried put) can only write identical
+    entries, and a sibling whose rows differ can never resolve to another sample's routing.
+    """
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(f"{uid}\x00{partition}\x00{start}\x00{tuple(ids.shape)}\x00{ids.dtype}\x00".encode())
+    digest.update(ids.contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def prompt_ref(key: str | None, rows: int) -> torch.Tensor:
+    """The :data:`PROMPT_REF_FIELD` value (``key=None``: not shared)."""
+    if key is None:
+        return torch.zeros(3, dtype=torch.int64)
+    hi, lo = struct.unpack(">qq", bytes.fromhex(key))
+    return torch.tensor([rows, hi, lo], dtype=torch.int64)
+
+
+def key_of_ref(ref: torch.Tensor | Sequence[int]) -> str:
+    """Inverse of :func:`prompt_ref`: the side-entry key of a shared sample's reference."""
+    _, hi, lo = (int(v) for v in ref)
+    return struct.pack(">qq", hi, lo).hex()
+
+
+@dataclass(frozen=True)
+class SharedPrompt:
+    """One side entry to put into :data:`PROMPT_PARTITION` (before the sample that refers to it).
+
+    Attributes:
+        key: :func:`prompt_rows_key`.
+        ids: ``[rows, num_moe_layers, top_k]`` prompt rows.
+        tag: ``{"uid", "partition", "rows"}``; ``uid``/``partition`` decide its lifetime
+            (:func:`clear_stale_prompt_rows`).
+    """
+
+    key: str
+    ids: torch.Tensor
+    tag: dict[str, Any]
+
+    @property
+    def nbytes(self) -> int:
+        return self.ids.numel() * self.ids.element_size()
+
+
+@dataclass(frozen=True)
+class ShareDecision:
+    """How one sample's prompt rows travel.
+
+    Attributes:
+        ref: the sample's :data:`PROMPT_REF_FIELD`.
+        shared_rows: leading rows left out of the sample's own :data:`IDS_FIELD` (0: it keeps them all).
+        side: the entry this sample must put first (``None``: not shared, or a sibling put it).
+        differs: the sample's prompt rows differ from the group's stored copy (kept whole, counted).
+    """
+
+    ref: torch.Tensor
+    shared_rows: int = 0
+    side: SharedPrompt | None = None
+    differs: bool = False
+
+
+class PromptRowSharing:
+    """Per agent-loop worker: the prompt rows this worker stored for each of its in-flight groups.
+
+    verl's V1 ``AgentLoopWorkerTQ._run_prompt`` runs all ``rollout.n`` sessions of a prompt in one worker, so the
+    first finished sample of a group stores the prompt rows ``[start, prompt_len)`` once and every sibling whose rows
+    are identical refers to them. A sibling whose rows differ (an engine may route the same prompt differently
+    across requests) keeps its own rows: a sample never replays another sample's routing.
+    :meth:`forget` drops a group when its sessions have settled, so the cache holds in-flight groups only.
+    """
+
+    def __init__(self) -> None:
+        self._stored: dict[tuple[str, str], dict[tuple[int, int], tuple[str, torch.Tensor]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._stored)
+
+    def decide(self, ids: torch.Tensor, *, start: int, prompt_len: int, uid: str, partition: str) -> ShareDecision:
+        """Split decision for one sample's validated MoE rows ``ids`` covering ``[start, start + len(ids))``."""
+        split = min(max(int(prompt_len) - int(start), 0), int(ids.shape[0]))
+        if split == 0:
+            return ShareDecision(prompt_ref(None, 0))
+        prompt = ids[:split]
+        group = self._stored.setdefault((partition, str(uid)), {})
+        stored = group.get((int(start), split))
+        if stored is not None:
+            key, rows = stored
+            if torch.equal(rows, prompt):
+                return ShareDecision(prompt_ref(key, split), split)
+            return ShareDecision(prompt_ref(None, 0), differs=True)
+        key = prompt_rows_key(str(uid), partition, int(start), prompt)
+        rows = prompt.clone()
+        group[(int(start), split)] = (key, rows)
+        side = SharedPrompt(key, rows, {"uid": str(uid), "partition": partition, "rows": split})
+        return ShareDecision(prompt_ref(key, split), split, side)
+
+    def forget(self, uid: str, partition: str | None = None) -> None:
+        """Drop a settled group (both partitions unless ``partition`` is given)."""
+        for part in (partition,) if partition is not None else SOURCE_PARTITIONS:
+            self._stored.pop((part, str(uid)), None)
+
+
+def shared_sample_fields(
+    rows: RoutedRows | None,
+    layout: RoutingLayout,
+    sharing: PromptRowSharing,
+    *,
+    prompt_len: int,
+    uid: str | None,
+    partition: str = "train",
+) -> tuple[dict[str, torch.Tensor], ShareDecision]:
+    """:func:`~verl_stable.routing.transport.sample_fields` plus :data:`PROMPT_REF_FIELD`, prompt rows shared.
+
+    When the sample shares its group's prompt rows, :data:`IDS_FIELD` keeps only the rows after them and
+    :data:`SPAN_FIELD` still covers the whole span. ``uid=None``: never shared (zero reference).
+    """
+    fields = sample_fields(rows, layout)
+    share = ShareDecision(prompt_ref(None, 0))
+    if uid is not None and rows is not None and rows.num_rows:
+        share = sharing.decide(fields[IDS_FIELD], start=rows.start, prompt_len=prompt_len, uid=uid, partition=partition)
+        if share.shared_rows:
+            fields[IDS_FIELD] = fields[IDS_FIELD][share.shared_rows :].clone()
+    fields[PROMPT_REF_FIELD] = share.ref
+    return fields, share
+
+
+def _refs_tensor(refs: Any) -> torch.Tensor:
+    if isinstance(refs, torch.Tensor) and refs.is_nested:
+        parts = [p.reshape(-1) for p in refs.unbind()]
+        table = torch.stack(parts) if parts else torch.zeros(0, 3, dtype=torch.int64)
+    else:
+        table = torch.as_tensor(refs)
+    if table.dim() != 2 or table.shape[1] != 3:
+        raise SharedPromptRowsError(
+            f"{PROMPT_REF_FIELD} must be [B, 3] (rows, key_hi, key_lo), got {tuple(table.shape)}"
+        )
+    return table.to(torch.int64)
+
+
+def attach_shared_prompt_rows(data: Any, kv_batch_get: Any = None) -> int:
+    """Actor side: put the shared prompt rows back in front of each sample's own :data:`IDS_FIELD`, in place.
+
+    One ``kv_batch_get`` of the batch's distinct side entries. Afterwards :data:`IDS_FIELD` covers each sample's
+    whole span again and :data:`PROMPT_REF_FIELD` is zero, so a second call reads nothing.
+
+    Returns:
+        The number of samples that got their prompt rows back.
+
+    Raises:
+        SharedPromptRowsError: a side entry is missing (cleared before the actor ran, or never put), or it does not
+            have the rows the sample refers to.
+    """
+    if PROMPT_REF_FIELD not in data.keys():
+        return 0
+    refs = _refs_tensor(data[PROMPT_REF_FIELD])
+    shared = (refs[:, 0] > 0).tolist()
+    if not any(shared):
+        return 0
+    keys = [key_of_ref(ref) if s else None for ref, s in zip(refs.tolist(), shared, strict=True)]
+    unique = sorted({k for k in keys if k is not None})
+    if kv_batch_get is None:
+        import transfer_queue as tq
+
+        kv_batch_get = tq.kv_batch_get
+    try:
+        got = kv_batch_get(keys=unique, partition_id=PROMPT_PARTITION, select_fields=[IDS_FIELD])
+    except (ValueError, KeyError) as exc:  # TransferQueue: "keys or partition were not found!"
+        raise SharedPromptRowsError(
+            f"{len(unique)} shared prompt-row entries (e.g. {unique[0]}) are not in TransferQueue partition "
+            f"{PROMPT_PARTITION!r}: they were cleared before the actor read the batch, or never put ({exc})"
+        ) from exc
+    found = got[IDS_FIELD]
+    rows_of = dict(zip(unique, list(found.unbind()) if found.is_nested else list(found.unbind(0)), strict=True))
+    parts = _unbind_ids(data[IDS_FIELD])
+    if len(parts) != len(keys):
+        raise SharedPromptRowsError(f"{len(parts)} routing entries but {len(keys)} {PROMPT_REF_FIELD} rows")
+    merged = []
+    for i, (part, key) in enumerate(zip(parts, keys, strict=True)):
+        if key is None:
+            merged.append(part)
+            continue
+        prompt = rows_of[key]
+        want = int(refs[i, 0])
+        if prompt.shape[0] != want or prompt.shape[1:] != part.shape[1:]:
+            raise SharedPromptRowsError(
+                f"sample {i}: shared entry {key} holds {tuple(prompt.shape)} rows, the sample expects {want} rows of "
+                f"{tuple(part.shape[1:])}"
+            )
+        merged.append(torch.cat([prompt.to(part.device, part.dtype), part]))
+    data[IDS_FIELD] = torch.nested.as_nested_tensor(merged, layout=torch.jagged)
+    data[PROMPT_REF_FIELD] = torch.zeros_like(refs)
+    return sum(shared)
+
+
+def _unbind_ids(ids: Any) -> list[torch.Tensor]:
+    if isinstance(ids, torch.Tensor):
+        return list(ids.unbind()) if ids.is_nested else list(ids.unbind(0))
+    return list(ids)
+
+
+def stale_prompt_entries(side: Mapping[str, Any], sources: Mapping[str, Any]) -> list[str]:
+    """Side entries (``{key: tag}`` of :data:`PROMPT_PARTITION`) whose group has no key in its sample partition.
+
+    ``sources`` maps each of :data:`SOURCE_PARTITIONS` to its keys (verl's ``"{uid}"`` / ``"{uid}_{session}_{i}"``).
+    """
+    live = {(partition, key.split("_")[0]) for partition, keys in sources.items() for key in keys}
+    return [key for key, tag in side.items() if ((tag or {}).get("partition"), (tag or {}).get("uid")) not in live]
+
+
+def clear_stale_prompt_rows(kv_list: Any = None, kv_clear: Any = None) -> int:
+    """Clear the side entries whose group has no key left in verl's sample partitions (TransferQueue's sync API).
+
+    verl clears a group's keys itself (after the step, on eviction, after validation); this follows it. The side
+    partition is listed *before* the sample partitions: an entry is put only while its group's prompt key exists, so
+    an entry seen first and then without any key of its group belongs to a group verl has finished with, also while
+    async rollouts keep putting. Any number of processes may run it at once.
+
+    Returns:
+        The number of entries cleared.
+    """
+    if kv_list is None or kv_clear is None:
+        import transfer_queue as tq
+
+        kv_list, kv_clear = kv_list or tq.kv_list, kv_clear or tq.kv_clear
+    side = (kv_list(PROMPT_PARTITION) or {}).get(PROMPT_PARTITION, {})
+    if not side:
+        return 0
+    sources = {p: (kv_list(p) or {}).get(p, {}) for p in SOURCE_PARTITIONS}
+    stale = stale_prompt_entries(side, sources)
+    if stale:
+        kv_clear(keys=stale, partition_id=PROMPT_PARTITION)
+    return len(stale)
+
+
+async def async_clear_stale_prompt_rows(kv_list: Any = None, kv_clear: Any = None) -> int:
+    """:func:`clear_stale_prompt_rows` with TransferQueue's async API (inside an agent-loop worker's event loop)."""
+    if kv_list is None or kv_clear is None:
+        import transfer_queue as tq
+
+        kv_list, kv_clear = kv_list or tq.async_kv_list, kv_clear or tq.async_kv_clear
+    side = ((await kv_list(PROMPT_PARTITION)) or {}).get(PROMPT_PARTITION, {})
+    if not side:
+        return 0
+    sources = {p: ((await kv_list(p)) or {}).get(p, {}) for p in SOURCE_PARTITIONS}
+    stale = stale_prompt_entries(side, sources)
+    if stale:
+        await kv_clear(keys=stale, partition_id=PROMPT_PARTITION)
+    return len(stale)
 
 
 # ------------------------------------------------------------------------------------------ boundary metrics
@@ -289,16 +617,35 @@ def _merge_stats(total: BoundaryStats, sample: BoundaryStats) -> None:
 
 
 def boundary_counters(
-    fields: Mapping[str, torch.Tensor], *, seq_len: int, layout: RoutingLayout, sample_stats: BoundaryStats
+    fields: Mapping[str, torch.Tensor],
+    *,
+    seq_len: int,
+    layout: RoutingLayout,
+    sample_stats: BoundaryStats,
+    share: ShareDecision | None = None,
 ) -> torch.Tensor:
-    """One sample's :data:`BOUNDARY_FIELD` from its compact fields and its own (single-sample) stats."""
+    """One sample's :data:`BOUNDARY_FIELD` from its compact fields, its own (single-sample) stats and how its prompt
+    rows travel (``share``; ``None``: sharing off)."""
     error_code = -1
     for name in sample_stats.errors or {}:
         error_code = next((i for i, cls in enumerate(BOUNDARY_ERRORS) if cls.__name__ == name), 0)
-    # the counters travel too: count their own bytes
+    shared_rows = 0 if share is None else share.shared_rows
+    side = None if share is None else share.side
+    # the counters travel too: count their own bytes; a group's side entry is counted once, by the sample that put it
     nbytes = sum(t.numel() * t.element_size() for t in fields.values()) + 8 * len(BOUNDARY_COLUMNS)
+    nbytes += 0 if side is None else side.nbytes
     verl_bytes = 2 * layout.num_hidden_layers * layout.top_k * seq_len
-    values = (seq_len, fields[IDS_FIELD].shape[0], sample_stats.skipped_samples, error_code, nbytes, verl_bytes)
+    values = (
+        seq_len,
+        fields[IDS_FIELD].shape[0] + shared_rows,
+        sample_stats.skipped_samples,
+        error_code,
+        nbytes,
+        verl_bytes,
+        shared_rows,
+        0 if side is None else side.ids.shape[0],
+        int(share is not None and share.differs),
+    )
     return torch.tensor(values, dtype=torch.int64)
 
 
@@ -312,7 +659,11 @@ def transport_metrics(counters: Any, keep: Any = None) -> dict[str, float]:
     Returns:
         ``samples``, ``skipped_samples``, ``error/<Class>`` counts, ``recorded_rows``, ``missing_positions``
         (tokens of routed samples without a recorded row: each sample's last token, tool output after the last turn),
-        ``bytes`` and ``verl_bytes`` moved, ``bytes_per_token`` and ``bytes_ratio`` (= bytes / verl_bytes).
+        ``bytes`` and ``verl_bytes`` moved (shared prompt rows counted once), ``bytes_per_token`` and
+        ``bytes_ratio`` (= bytes / verl_bytes); ``prompt_groups_shared`` (side entries put),
+        ``shared_prompt_rows`` (rows samples referred to instead of storing), ``prompt_rows_deduplicated``
+        (``shared_prompt_rows`` minus the rows stored once) and ``prompt_rows_differ`` (samples whose prompt rows
+        differed from their group's stored copy).
     """
     rows = list(counters.unbind(0)) if isinstance(counters, torch.Tensor) else list(counters)
     table = torch.stack([torch.as_tensor(r, dtype=torch.int64).reshape(-1) for r in rows]) if rows else None
@@ -338,6 +689,10 @@ def transport_metrics(counters: Any, keep: Any = None) -> dict[str, float]:
         "verl_bytes": float(verl_bytes),
         "bytes_per_token": nbytes / max(tokens, 1),
         "bytes_ratio": nbytes / max(verl_bytes, 1),
+        "prompt_groups_shared": float((col["side_rows"] > 0).sum()),
+        "shared_prompt_rows": float(col["shared_prompt_rows"].sum()),
+        "prompt_rows_deduplicated": float(col["shared_prompt_rows"].sum() - col["side_rows"].sum()),
+        "prompt_rows_differ": float(col["prompt_rows_differ"].sum()),
     }
     for i, cls in enumerate(BOUNDARY_ERRORS):
         count = int((col["error_code"] == i).sum())
@@ -377,11 +732,20 @@ def compact_agent_loop_output(
     layout: RoutingLayout,
     options: RolloutRoutingOptions = RolloutRoutingOptions(),
     stats: BoundaryStats | None = None,
+    sharing: PromptRowSharing | None = None,
+    uid: str | None = None,
+    partition: str = "train",
 ) -> Any:
     """An ``AgentLoopOutput`` whose ``as_dict`` emits the compact fields instead of verl's int16 ``routed_experts``.
 
     Besides :data:`IDS_FIELD` / :data:`SPAN_FIELD` it emits :data:`BOUNDARY_FIELD` (this sample's counters, read by
     :func:`fetch_transport_metrics` on the trainer); ``stats`` accumulates the worker's running totals.
+
+    With ``sharing`` (the worker's :class:`PromptRowSharing`) the sample also emits :data:`PROMPT_REF_FIELD`; with
+    the group's ``uid`` too its prompt rows may be shared: its :data:`IDS_FIELD` then holds only the rows after them
+    (:data:`SPAN_FIELD` still covers the whole span), and ``output.shared_prompt`` is the side entry to put before
+    the sample when this sample is the group's first (``None`` otherwise). ``uid=None``: never shared (a group of
+    one), the field is zero.
     """
     output_cls = _classes()["output"]
     sample_stats = BoundaryStats()
@@ -403,12 +767,21 @@ def compact_agent_loop_output(
     values = {name: getattr(output, name) for name in type(output).model_fields}
     values["routed_experts"] = None
     values.pop("compact_routing", None)
+    values.pop("shared_prompt", None)
     compact = output_cls.model_construct(
         _fields_set=set(output.model_fields_set) - {"routed_experts"}, **values, compact_routing=None
     )
-    fields = sample_fields(rows, layout)
-    fields[BOUNDARY_FIELD] = boundary_counters(fields, seq_len=seq_len, layout=layout, sample_stats=sample_stats)
+    if sharing is None:
+        fields, share = sample_fields(rows, layout), None
+    else:
+        fields, share = shared_sample_fields(
+            rows, layout, sharing, prompt_len=len(output.prompt_ids), uid=uid, partition=partition
+        )
+    fields[BOUNDARY_FIELD] = boundary_counters(
+        fields, seq_len=seq_len, layout=layout, sample_stats=sample_stats, share=share
+    )
     compact.compact_routing = fields
+    compact.shared_prompt = None if share is None else share.side
     return compact
 
 
@@ -425,11 +798,13 @@ def _classes() -> dict[str, Any]:
 
         model_config = ConfigDict(arbitrary_types_allowed=True)
         compact_routing: Any = None
+        shared_prompt: Any = None
 
         def as_dict(self) -> dict[str, Any]:
             fields = self.compact_routing
             out = super().as_dict()
             out.pop("compact_routing", None)
+            out.pop("shared_prompt", None)
             out.pop("routed_experts", None)
             if fields is not None:
                 out.update(fields)
@@ -448,20 +823,78 @@ def _classes() -> dict[str, Any]:
             self.stable_routing_layout = (
                 layout_from_config(self.model_config.hf_config) if self.stable_routing_enabled else None
             )
+            self.stable_prompt_sharing = PromptRowSharing()
+            # uid -> side-entry key -> its put; in-flight groups of more than one sample only
+            self.stable_prompt_puts: dict[str, dict[str, asyncio.Future]] = {}
 
-        def _stable_compact(self, output: Any) -> Any:
+        def _stable_compact(self, output: Any, uid: str, partition: str) -> Any:
+            if not self.stable_routing_options.share_prompt_rows:
+                return compact_agent_loop_output(
+                    output, self.stable_routing_layout, self.stable_routing_options, self.stable_routing_stats
+                )
             return compact_agent_loop_output(
-                output, self.stable_routing_layout, self.stable_routing_options, self.stable_routing_stats
+                output,
+                self.stable_routing_layout,
+                self.stable_routing_options,
+                self.stable_routing_stats,
+                sharing=self.stable_prompt_sharing,
+                uid=uid if uid in self.stable_prompt_puts else None,  # a group of one shares nothing
+                partition=partition,
             )
+
+        async def _stable_put_shared(self, outputs: list[Any], uid: str) -> None:
+            """Put this group's side entry (its first sample) or wait for the sibling's put, before the sample."""
+            import transfer_queue as tq
+            from tensordict import TensorDict
+
+            puts = self.stable_prompt_puts.get(uid, {})
+            for output in outputs:
+                side = output.shared_prompt
+                if side is not None and side.key not in puts:
+                    fields = TensorDict({IDS_FIELD: side.ids.unsqueeze(0)}, batch_size=[1])
+                    puts[side.key] = asyncio.ensure_future(
+                        tq.async_kv_put(key=side.key, partition_id=PROMPT_PARTITION, fields=fields, tag=side.tag)
+                    )
+            for output in outputs:
+                ref = output.compact_routing.get(PROMPT_REF_FIELD)
+                if ref is not None and int(ref[0]) > 0:
+                    key = key_of_ref(ref)
+                    if key not in puts:
+                        raise SharedPromptRowsError(f"group {uid}: a sample refers to prompt rows {key} never put")
+                    await asyncio.shield(puts[key])
+
+        async def generate_sequences(self, batch: Any) -> None:
+            if self.stable_routing_enabled and self.stable_routing_options.share_prompt_rows:
+                # a new dispatch follows verl's clearing of finished groups: drop their shared prompt rows (any
+                # trainer class; the stable_* trainers also do it at each step start)
+                try:
+                    await async_clear_stale_prompt_rows()
+                except Exception as exc:  # housekeeping must not fail a rollout; the next dispatch retries
+                    logger.warning("verl-stable: clearing shared prompt rows failed: %s", exc)
+            return await super().generate_sequences(batch)
 
         async def _agent_loop_postprocess(self, output: Any, validate: bool, **kwargs: Any) -> Any:
             if self.stable_routing_enabled:
-                output = (
-                    [self._stable_compact(o) for o in output]
-                    if isinstance(output, list)
-                    else self._stable_compact(output)
-                )
+                uid, partition = str(kwargs.get("uid")), "val" if validate else "train"
+                outputs = output if isinstance(output, list) else [output]
+                outputs = [self._stable_compact(o, uid, partition) for o in outputs]
+                if self.stable_routing_options.share_prompt_rows:
+                    await self._stable_put_shared(outputs, uid)
+                output = outputs if isinstance(output, list) else outputs[0]
             return await super()._agent_loop_postprocess(output, validate, **kwargs)
+
+        async def _run_prompt(self, prompt: dict, sampling_params: dict, trajectory: dict, **kwargs: Any) -> None:
+            uid = str(prompt.get("uid"))
+            rollout = self.config.actor_rollout_ref.rollout
+            n = prompt.get("__rollout_n__", rollout.val_kwargs.n if trajectory["validate"] else rollout.n)
+            if self.stable_routing_enabled and int(n) > 1:
+                self.stable_prompt_puts[uid] = {}
+            try:
+                return await super()._run_prompt(prompt, sampling_params, trajectory, **kwargs)
+            finally:
+                # every session of the group has settled (verl's contract): forget it
+                self.stable_prompt_sharing.forget(uid)
+                self.stable_prompt_puts.pop(uid, None)
 
         def stable_routing_metrics(self) -> dict[str, float]:
             """Boundary counters of this worker (``stable/routing/*``)."""

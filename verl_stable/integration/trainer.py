@@ -454,7 +454,7 @@ class StabilityMonitorMixin:
     def _stable_fetch(self, batch, step: int, monitor: StepMonitor) -> MonitorBatch | None:
         import transfer_queue as tq
 
-        from verl_stable.integration.rollout import expand_compact_routing
+        from verl_stable.integration.rollout import PROMPT_REF_FIELD, RolloutRoutingOptions, expand_compact_routing
         from verl_stable.routing.transport import IDS_FIELD, SPAN_FIELD
 
         select = list(TOKEN_FIELDS)
@@ -464,6 +464,8 @@ class StabilityMonitorMixin:
             layout = self._stable_compact_layout()
             # compact rollout routing is expanded here, on the driver, only for the steps that log routing metrics
             select += ["input_ids", IDS_FIELD, SPAN_FIELD] if layout is not None else [ROLLOUT_ROUTING_FIELD]
+            if layout is not None and RolloutRoutingOptions.from_config(self.config).share_prompt_rows:
+                select.append(PROMPT_REF_FIELD)  # expand_compact_routing re-attaches the group's prompt rows
             if train_field:
                 select.append(train_field)
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=select)
@@ -471,6 +473,19 @@ class StabilityMonitorMixin:
             expand_compact_routing(data, layout)
         keep = np.array([not tag.get("is_padding", False) for tag in batch.tags], dtype=bool)
         return MonitorBatch.from_tensordict(data, keep if keep.any() else None, train_field)
+
+    def on_step_begin(self):
+        """verl's hook, after the previous step's ``kv_clear``: clear the shared prompt rows of finished groups."""
+        super().on_step_begin()
+        self._stable_clear_prompt_rows()
+
+    def _stable_clear_prompt_rows(self) -> None:
+        if self._stable_compact_layout() is None:
+            return
+        from verl_stable.integration.rollout import RolloutRoutingOptions, clear_stale_prompt_rows
+
+        if RolloutRoutingOptions.from_config(self.config).share_prompt_rows:
+            clear_stale_prompt_rows()
 
     def step(self, metrics, timing_raw):
         """verl's step; numbers the update mini-steps of this logged step from 0."""
@@ -534,6 +549,7 @@ class StabilityMonitorMixin:
     def fit(self, agent_loop_manager):
         """verl's ``fit``; raises :class:`GuardTripped` after the loop when a stopping rule fired."""
         result = super().fit(agent_loop_manager)
+        self._stable_clear_prompt_rows()  # verl's last step returns without another on_step_begin
         trip = getattr(self, "_stable_trip", None)
         if trip:
             raise GuardTripped(trip)

@@ -1,0 +1,443 @@
+"""Prompt rows once per group on verl's V1 / TransferQueue path (issue #5).
+
+The store is a small in-memory stand-in with TransferQueue's ``kv_*`` signatures and the behaviour checked against
+the real package (a missing key raises ``ValueError("keys or partition were not found!")``, tags merge on put,
+``kv_list(partition)`` answers ``{partition: {key: tag}}``); a real TransferQueue needs a Ray cluster with three
+CPUs for its controller and storage units, which the e2e run in ``test_rollout_routing.py`` exercises. Everything
+else is verl's real code: ``AgentLoopOutput``, ``AgentLoopWorkerTQ._run_prompt`` / ``_agent_loop_postprocess``,
+``list_of_dict_to_tensordict`` and its TensorDict ops, and ``ReplayBuffer``'s own partition scan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import numpy as np
+import pytest
+import torch
+import transfer_queue as tq
+from omegaconf import OmegaConf
+from tensordict import TensorDict
+from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+from verl.utils import tensordict_utils as tu
+from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+from verl_stable.integration import rollout
+from verl_stable.routing.codecs import BoundaryStats, RowCountError
+from verl_stable.routing.trace import RoutingLayout
+from verl_stable.routing.transport import IDS_FIELD, SPAN_FIELD
+
+LAYOUT = RoutingLayout("qwen3_moe", "qwen3_moe", 5, (1, 2, 4), 2, 8)  # decoder layers 0 and 3 dense
+PREFIX = rollout.TRANSPORT_METRIC_PREFIX
+
+
+class KVStore:
+    """TransferQueue's KV interface in memory: ``{partition: {key: (fields, tag)}}``."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, dict[str, tuple[dict, dict]]] = {}
+
+    def kv_put(self, key, partition_id, fields=None, tag=None):
+        self.kv_batch_put([key], partition_id, fields, [tag] if tag is not None else None)
+
+    def kv_batch_put(self, keys, partition_id, fields=None, tags=None):
+        part = self.data.setdefault(partition_id, {})
+        for i, key in enumerate(keys):
+            old_fields, old_tag = part.get(key, ({}, {}))
+            if fields is not None:
+                sample = fields[i]
+                old_fields = {**old_fields, **{k: sample[k] for k in sample.keys()}}
+            part[key] = (old_fields, {**old_tag, **(tags[i] if tags else {})})
+
+    async def async_kv_put(self, key, partition_id, fields=None, tag=None):
+        await asyncio.sleep(0)  # a real put yields to the event loop
+        self.kv_put(key, partition_id, fields, tag)
+
+    async def async_kv_batch_put(self, keys, partition_id, fields=None, tags=None):
+        await asyncio.sleep(0)
+        self.kv_batch_put(keys, partition_id, fields, tags)
+
+    def kv_batch_get(self, keys, partition_id, select_fields=None):
+        part = self.data.get(partition_id, {})
+        if any(k not in part for k in keys):
+            raise ValueError("keys or partition were not found!")
+        rows = []
+        for key in keys:
+            fields = part[key][0]
+            rows.append({f: fields[f] for f in (select_fields or fields)})
+        # TransferQueue hands per-sample tensors back jagged, even equal-sized ones and a batch of one
+        ragged = [f for f, v in rows[0].items() if isinstance(v, torch.Tensor) and v.dim() >= 1]
+        out = list_of_dict_to_tensordict([{f: v for f, v in r.items() if f not in ragged} for r in rows])
+        for f in ragged:
+            out[f] = torch.nested.as_nested_tensor([r[f] for r in rows], layout=torch.jagged)
+        return out
+
+    def kv_list(self, partition_id=None):
+        parts = self.data if partition_id is None else {partition_id: self.data.get(partition_id, {})}
+        return {p: {k: tag for k, (_, tag) in items.items()} for p, items in parts.items() if p in self.data}
+
+    def kv_clear(self, keys, partition_id):
+        for key in [keys] if isinstance(keys, str) else keys:
+            self.data.get(partition_id, {}).pop(key, None)
+
+    async def async_kv_list(self, partition_id=None):
+        await asyncio.sleep(0)
+        return self.kv_list(partition_id)
+
+    async def async_kv_clear(self, keys, partition_id):
+        await asyncio.sleep(0)
+        self.kv_clear(keys, partition_id)
+
+    def side_entries(self) -> dict[str, dict]:
+        return self.kv_list(rollout.PROMPT_PARTITION).get(rollout.PROMPT_PARTITION, {})
+
+
+def vllm_rows(rng: np.random.Generator, rows: int) -> np.ndarray:
+    """vLLM 0.24 layout: uint8 [rows, num_hidden_layers, top_k], zero rows for the dense layers."""
+    out = np.zeros((rows, LAYOUT.num_hidden_layers, LAYOUT.top_k), dtype=np.uint8)
+    scores = rng.random((rows, LAYOUT.num_moe_layers, LAYOUT.num_experts))
+    out[:, list(LAYOUT.moe_layers)] = np.argsort(scores, axis=-1)[..., : LAYOUT.top_k]
+    return out
+
+
+def group_outputs(rng, prompt_len: int, response_lens: list[int], differ: set[int] = frozenset()):
+    """One prompt's ``rollout.n`` outputs: identical prompt rows except for the sessions in ``differ``."""
+    prompt_ids = rng.integers(1, 100, prompt_len).tolist()
+    prompt_rows = vllm_rows(rng, prompt_len)
+    outputs = []
+    for i, r in enumerate(response_lens):
+        rows = np.concatenate([vllm_rows(rng, prompt_len) if i in differ else prompt_rows, vllm_rows(rng, r - 1)])
+        outputs.append(
+            AgentLoopOutput(
+                prompt_ids=prompt_ids,
+                response_ids=rng.integers(1, 100, r).tolist(),
+                response_mask=[1] * r,
+                routed_experts=rows,
+                metrics=AgentLoopMetrics(),
+            )
+        )
+    return outputs
+
+
+def as_sample(output) -> dict:
+    d = output.as_dict()
+    d["input_ids"] = torch.cat([d["prompts"], d["responses"]])  # as AgentLoopWorkerTQ adds it
+    return d
+
+
+def put_side(store: KVStore, compact) -> None:
+    side = compact.shared_prompt
+    if side is not None:
+        store.kv_put(side.key, rollout.PROMPT_PARTITION, TensorDict({IDS_FIELD: side.ids[None]}, [1]), side.tag)
+
+
+def shared_batch(rng, store, groups, **kwargs):
+    """Compact every group's outputs with sharing (side entries into ``store``); verl's reference int16 routing."""
+    sharing = rollout.PromptRowSharing()
+    samples, reference = [], []
+    for g, outputs in enumerate(groups):
+        for o in outputs:
+            reference.append(o.model_copy(deep=True).as_dict()["routed_experts"])
+            compact = rollout.compact_agent_loop_output(o, LAYOUT, sharing=sharing, uid=f"uid{g}", **kwargs)
+            put_side(store, compact)
+            samples.append(as_sample(compact))
+    return list_of_dict_to_tensordict(samples), reference, sharing
+
+
+def test_group_stores_prompt_rows_once_and_every_sample_replays_its_own_routing():
+    rng = np.random.default_rng(0)
+    store = KVStore()
+    groups = [group_outputs(rng, 6, [3, 5, 2, 4]), group_outputs(rng, 9, [2, 2])]
+    batch, reference, sharing = shared_batch(rng, store, groups)
+    assert len(store.side_entries()) == 2 and len(sharing) == 2
+    assert [t["rows"] for t in store.side_entries().values()] == [6, 9]
+    # every sample stores only its rows after the prompt; the span still covers the whole sequence
+    assert [p.shape[0] for p in batch[IDS_FIELD].unbind()] == [2, 4, 1, 3, 1, 1]
+    assert batch[SPAN_FIELD].tolist() == [[0, 8], [0, 10], [0, 7], [0, 9], [0, 10], [0, 10]]
+    assert batch[rollout.PROMPT_REF_FIELD][:, 0].tolist() == [6, 6, 6, 6, 9, 9]
+
+    # the unshared path (sharing off) is the independent reference for the trace
+    unshared = list_of_dict_to_tensordict(
+        [as_sample(rollout.compact_agent_loop_output(o, LAYOUT)) for g in copy.deepcopy(groups) for o in g]
+    )
+    assert rollout.PROMPT_REF_FIELD not in unshared.keys()
+    expected = rollout.routing_trace_from_batch(unshared, LAYOUT).to_tensor()
+    reads = []
+
+    def kv_batch_get(**kw):
+        reads.append(kw)
+        return store.kv_batch_get(**kw)
+
+    # verl's own shuffle + micro-batch chunking before the actor sees it
+    perm = [5, 2, 0, 3, 1, 4]
+    chunks = tu.chunk_tensordict(tu.index_select_tensor_dict(batch, perm), 3)
+    got = []
+    for chunk in chunks:
+        assert rollout.expand_compact_routing(chunk, LAYOUT, kv_batch_get=kv_batch_get)
+        got += list(chunk["routed_experts"].unbind())
+        assert not chunk[rollout.PROMPT_REF_FIELD].any()  # re-attached: a second pass reads nothing
+        assert rollout.attach_shared_prompt_rows(chunk, kv_batch_get) == 0
+    assert [len(r["keys"]) for r in reads] == [2, 1, 2]  # one read per micro-batch, each group once
+    assert all(r["partition_id"] == rollout.PROMPT_PARTITION for r in reads)
+    for i, j in enumerate(perm):  # token for token verl's own int16 layout
+        assert torch.equal(got[i], reference[j]), j
+    trace = rollout.routing_trace_from_batch(batch, LAYOUT, kv_batch_get=store.kv_batch_get)
+    assert torch.equal(trace.to_tensor(), expected)
+
+
+def test_bytes_count_the_shared_rows_once():
+    rng = np.random.default_rng(1)
+    store = KVStore()
+    groups = [group_outputs(rng, 40, [3, 5, 2, 4])]
+    batch, _, _ = shared_batch(rng, store, copy.deepcopy(groups))
+    unshared = list_of_dict_to_tensordict([as_sample(rollout.compact_agent_loop_output(o, LAYOUT)) for o in groups[0]])
+    shared_m = rollout.transport_metrics(batch[rollout.BOUNDARY_FIELD])
+    plain_m = rollout.transport_metrics(unshared[rollout.BOUNDARY_FIELD])
+    row = LAYOUT.num_moe_layers * LAYOUT.top_k  # uint8
+    # independent count: every tensor put, the side entry's ids once
+    side_bytes = sum(f[IDS_FIELD].numel() for f, _ in store.data[rollout.PROMPT_PARTITION].values())
+    put = sum(t.numel() * t.element_size() for d in batch.unbind(0) for k, t in d.items() if k.startswith("stable_"))
+    assert (
+        shared_m[f"{PREFIX}bytes"]
+        == put + side_bytes
+        == side_bytes + sum(d[IDS_FIELD].numel() + 16 + 24 + 8 * len(rollout.BOUNDARY_COLUMNS) for d in batch.unbind(0))
+    )
+    assert plain_m[f"{PREFIX}bytes"] - shared_m[f"{PREFIX}bytes"] == 3 * 40 * row - 4 * 24
+    assert shared_m[f"{PREFIX}verl_bytes"] == plain_m[f"{PREFIX}verl_bytes"]
+    assert shared_m[f"{PREFIX}bytes_ratio"] == shared_m[f"{PREFIX}bytes"] / shared_m[f"{PREFIX}verl_bytes"]
+    assert shared_m[f"{PREFIX}recorded_rows"] == plain_m[f"{PREFIX}recorded_rows"] == 4 * 40 + 2 + 4 + 1 + 3
+    assert shared_m[f"{PREFIX}prompt_groups_shared"] == 1.0 and plain_m[f"{PREFIX}prompt_groups_shared"] == 0.0
+    assert shared_m[f"{PREFIX}shared_prompt_rows"] == 160.0
+    assert shared_m[f"{PREFIX}prompt_rows_deduplicated"] == 120.0
+    assert shared_m[f"{PREFIX}prompt_rows_differ"] == 0.0
+
+
+def test_a_sibling_with_different_prompt_rows_keeps_its_own_and_is_counted():
+    rng = np.random.default_rng(2)
+    store = KVStore()
+    groups = [group_outputs(rng, 5, [3, 4, 2], differ={1})]
+    reference_rows = groups[0][1].routed_experts[:, list(LAYOUT.moe_layers)]
+    batch, reference, _ = shared_batch(rng, store, groups)
+    assert len(store.side_entries()) == 1
+    refs = batch[rollout.PROMPT_REF_FIELD]
+    assert refs[:, 0].tolist() == [5, 0, 5] and not refs[1].any()
+    np.testing.assert_array_equal(batch[IDS_FIELD][1].numpy(), reference_rows)  # all of its rows, its own
+    m = rollout.transport_metrics(batch[rollout.BOUNDARY_FIELD])
+    assert m[f"{PREFIX}prompt_rows_differ"] == 1.0 and m[f"{PREFIX}shared_prompt_rows"] == 10.0
+    assert rollout.expand_compact_routing(batch, LAYOUT, kv_batch_get=store.kv_batch_get)
+    for got, ref in zip(batch["routed_experts"].unbind(), reference, strict=True):
+        assert torch.equal(got, ref)
+    # the key depends on the rows: a differing sibling can never resolve to the stored copy
+    prompt = torch.from_numpy(reference_rows[:5].copy())
+    assert rollout.prompt_rows_key("uid0", "train", 0, prompt) not in store.side_entries()
+
+
+def test_missing_or_mismatched_side_entry_is_a_clear_error():
+    rng = np.random.default_rng(3)
+    store = KVStore()
+    batch, _, _ = shared_batch(rng, store, [group_outputs(rng, 4, [2, 3])])
+    (key,) = store.side_entries()
+    fields, tag = store.data[rollout.PROMPT_PARTITION][key]
+    store.kv_clear([key], rollout.PROMPT_PARTITION)
+    with pytest.raises(rollout.SharedPromptRowsError, match="not in TransferQueue partition 'stable_routing_prompts'"):
+        rollout.expand_compact_routing(batch.clone(), LAYOUT, kv_batch_get=store.kv_batch_get)
+    assert issubclass(rollout.SharedPromptRowsError, RowCountError)
+    store.kv_put(key, rollout.PROMPT_PARTITION, TensorDict({IDS_FIELD: fields[IDS_FIELD][None, :3]}, [1]), tag)
+    with pytest.raises(rollout.SharedPromptRowsError, match="sample 0: shared entry .* expects 4 rows"):
+        rollout.routing_trace_from_batch(batch.clone(), LAYOUT, kv_batch_get=store.kv_batch_get)
+    # without the side entry the sample's own fields do not describe its span: never silently used
+    from verl_stable.routing.transport import rows_from_fields
+
+    with pytest.raises(RowCountError, match=r"span \[0, 5\) but \(1, 3, 2\)"):
+        rows_from_fields(batch[IDS_FIELD], batch[SPAN_FIELD])
+    bad = batch.clone()
+    bad[rollout.PROMPT_REF_FIELD] = torch.ones(2, 2, dtype=torch.int64)
+    with pytest.raises(rollout.SharedPromptRowsError, match=r"must be \[B, 3\]"):
+        rollout.attach_shared_prompt_rows(bad, store.kv_batch_get)
+
+
+def _verl_keys(store: KVStore, partition: str, uid: str, n: int, status: str) -> None:
+    """What verl's trainer and AgentLoopWorkerTQ put for one group: the prompt key, then each session's sample."""
+    store.kv_put(uid, partition, tag={"is_prompt": True, "status": status, "global_steps": 1})
+    store.kv_batch_put([f"{uid}_{i}_0" for i in range(n)], partition, tags=[{"status": "success"}] * n)
+
+
+def test_side_entries_are_cleared_with_their_group_and_do_not_accumulate():
+    rng = np.random.default_rng(4)
+    store = KVStore()
+    for step in range(4):  # a step: groups generated, sampled, trained, cleared by verl; then verl-stable's hook
+        uids = [f"s{step}g{g}" for g in range(3)]
+        for uid in uids:
+            _verl_keys(store, "train", uid, 2, "finished")
+            sharing = rollout.PromptRowSharing()
+            for o in group_outputs(rng, 4, [2, 3]):
+                put_side(store, rollout.compact_agent_loop_output(o, LAYOUT, sharing=sharing, uid=uid))
+        assert len(store.side_entries()) == 3  # the previous step's were cleared
+        in_flight = f"s{step}next"  # an async rollout already running for the next step
+        _verl_keys(store, "train", in_flight, 0, "running")
+        sharing = rollout.PromptRowSharing()
+        put_side(
+            store,
+            rollout.compact_agent_loop_output(group_outputs(rng, 4, [2])[0], LAYOUT, sharing=sharing, uid=in_flight),
+        )
+        store.kv_clear(uids, "train")  # ReplayBuffer._materialize_batch: the prompt keys
+        assert rollout.clear_stale_prompt_rows(store.kv_list, store.kv_clear) == 0  # samples still being trained
+        store.kv_clear([f"{u}_{i}_0" for u in uids for i in range(2)], "train")  # verl's step-end kv_clear
+        assert rollout.clear_stale_prompt_rows(store.kv_list, store.kv_clear) == 3
+        assert [t["uid"] for t in store.side_entries().values()] == [in_flight]
+        store.kv_clear([in_flight], "train")  # evicted (DAPO / failure): verl's _clear_groups
+        assert rollout.clear_stale_prompt_rows(store.kv_list, store.kv_clear) == 1
+        assert store.side_entries() == {}
+    # a validation group lives in "val": a train key of the same uid does not keep it
+    _verl_keys(store, "train", "v0", 1, "finished")
+    put_side(
+        store,
+        rollout.compact_agent_loop_output(
+            group_outputs(rng, 4, [2])[0], LAYOUT, sharing=rollout.PromptRowSharing(), uid="v0", partition="val"
+        ),
+    )
+    assert rollout.clear_stale_prompt_rows(store.kv_list, store.kv_clear) == 1
+    assert rollout.clear_stale_prompt_rows(KVStore().kv_list, KVStore().kv_clear) == 0  # nothing ever shared
+
+
+def test_agent_loop_workers_clear_with_the_async_api_too():
+    """What each worker runs when verl dispatches new prompts (any trainer class)."""
+    rng = np.random.default_rng(8)
+    store = KVStore()
+    for uid in ("a", "b"):
+        _verl_keys(store, "train", uid, 2, "finished")
+        sharing = rollout.PromptRowSharing()
+        for o in group_outputs(rng, 3, [2, 2]):
+            put_side(store, rollout.compact_agent_loop_output(o, LAYOUT, sharing=sharing, uid=uid))
+    store.kv_clear(["a", "a_0_0", "a_1_0"], "train")
+    assert asyncio.run(rollout.async_clear_stale_prompt_rows(store.async_kv_list, store.async_kv_clear)) == 1
+    assert [t["uid"] for t in store.side_entries().values()] == ["b"]
+    assert rollout.stale_prompt_entries({"k": None}, {"train": ["b"]}) == ["k"]  # an entry without a tag goes too
+
+
+def test_verl_replay_buffer_never_samples_the_side_partition(monkeypatch):
+    """verl's ReplayBuffer lists every partition; the side entries must not become samples or prompt groups."""
+    from collections import defaultdict
+
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+
+    rng = np.random.default_rng(5)
+    store = KVStore()
+    _verl_keys(store, "train", "u0", 2, "finished")
+    sharing = rollout.PromptRowSharing()
+    for o in group_outputs(rng, 4, [2, 3]):
+        put_side(store, rollout.compact_agent_loop_output(o, LAYOUT, sharing=sharing, uid="u0"))
+    assert len(store.side_entries()) == 1
+    buffer = ReplayBuffer.__new__(ReplayBuffer)  # verl's metadata scan and batch build need no trainer config
+    buffer.partitions = defaultdict(dict)
+    for name in ("pending_keys", "running_keys", "finished_keys", "failure_keys"):
+        setattr(buffer, name, defaultdict(set))
+    buffer.prompt_global_steps = defaultdict(dict)
+    monkeypatch.setattr(tq, "kv_list", store.kv_list)
+    monkeypatch.setattr(tq, "kv_clear", store.kv_clear)
+    buffer._sync_metadata_from_transfer_queue()
+    assert buffer.finished_keys["train"] == {"u0"}
+    assert not any(buffer.finished_keys[p] or buffer.running_keys[p] for p in [rollout.PROMPT_PARTITION])
+    meta = buffer._materialize_batch("train", ["u0"], dict(buffer.partitions["train"]))
+    assert meta.partition_id == "train" and sorted(meta.keys) == ["u0_0_0", "u0_1_0"]
+    assert len(store.side_entries()) == 1  # still there for the actors
+
+
+def test_switch_off_keeps_every_row_with_its_sample():
+    options = rollout.RolloutRoutingOptions.from_config(
+        OmegaConf.create({"verl_stable": {"routing": {"share_prompt_rows": False}}})
+    )
+    assert not options.share_prompt_rows and rollout.RolloutRoutingOptions().share_prompt_rows
+    assert rollout.RolloutRoutingOptions.from_config(OmegaConf.create({})).share_prompt_rows
+    with pytest.raises(ValueError, match="share_prompt_rows must be true or false"):
+        rollout.RolloutRoutingOptions.from_config(
+            OmegaConf.create({"verl_stable": {"routing": {"share_prompt_rows": "no"}}})
+        )
+    worker, store = _worker(n=3, options=options)
+    asyncio.run(worker._run_prompt(_prompt("u0"), {}, {"validate": False}))
+    assert store.side_entries() == {} and set(store.data) == {"train"}
+    samples = store.kv_batch_get(["u0_0_0", "u0_1_0", "u0_2_0"], "train", [IDS_FIELD, SPAN_FIELD])
+    assert rollout.PROMPT_REF_FIELD not in store.data["train"]["u0_0_0"][0]
+    spans = [s.tolist() for s in samples[SPAN_FIELD].unbind()]
+    assert [p.shape[0] for p in samples[IDS_FIELD].unbind()] == [b - a for a, b in spans]
+
+
+# ------------------------------------------------------------------------------------- the real verl worker
+def _prompt(uid: str) -> dict:
+    return {"uid": uid, "global_steps": 1, "index": 0}
+
+
+def _worker(n: int, options: rollout.RolloutRoutingOptions | None = None, differ: set[int] = frozenset()):
+    """verl's AgentLoopWorkerTQ (our subclass) without Ray; the LLM call is the only stand-in."""
+    store = KVStore()
+    worker_cls = rollout.CompactRoutingAgentLoopWorkerTQ
+    worker = worker_cls.__new__(worker_cls)
+    worker.config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"n": n, "val_kwargs": {"n": 1}}}})
+    worker.reward_loop_worker_handles, worker.distillation_enabled, worker.processor = None, False, None
+    worker.stable_routing_enabled = True
+    worker.stable_routing_layout = LAYOUT
+    worker.stable_routing_options = options or rollout.RolloutRoutingOptions()
+    worker.stable_routing_stats = BoundaryStats()
+    worker.stable_prompt_sharing = rollout.PromptRowSharing()
+    worker.stable_prompt_puts = {}
+    rng = np.random.default_rng(7)
+    outputs = group_outputs(rng, 6, [4, 2, 5, 3, 2, 3, 4, 2][:n], differ=differ)
+    worker.reference = [o.model_copy(deep=True).as_dict()["routed_experts"] for o in outputs]
+
+    async def run_agent_loop(sampling_params, trajectory, trace, session_id, **kwargs):
+        await asyncio.sleep(0.001 * ((session_id * 7) % 5))  # sessions finish out of order
+        output = outputs[session_id].model_copy(deep=True)
+        return await worker._agent_loop_postprocess(output, trajectory["validate"], session_id=session_id, **kwargs)
+
+    worker._run_agent_loop = run_agent_loop
+    tq.async_kv_put, tq.async_kv_batch_put = store.async_kv_put, store.async_kv_batch_put
+    return worker, store
+
+
+@pytest.fixture(autouse=True)
+def _restore_tq():
+    saved = (tq.async_kv_put, tq.async_kv_batch_put)
+    yield
+    tq.async_kv_put, tq.async_kv_batch_put = saved
+
+
+def test_real_worker_puts_one_side_entry_per_group_before_its_samples():
+    worker, store = _worker(n=4, differ={2})
+    order = []
+    put_one, put_batch = store.async_kv_put, store.async_kv_batch_put
+
+    async def logged_put(key, partition_id, fields=None, tag=None):
+        order.append((partition_id, key))
+        await put_one(key, partition_id, fields, tag)
+
+    async def logged_batch(keys, partition_id, fields=None, tags=None):
+        order.extend((partition_id, k) for k in keys)
+        await put_batch(keys, partition_id, fields, tags)
+
+    tq.async_kv_put, tq.async_kv_batch_put = logged_put, logged_batch
+    asyncio.run(worker._run_prompt(_prompt("u0"), {}, {"validate": False}))
+    side = store.side_entries()
+    assert len(side) == 1 and next(iter(side.values())) == {"uid": "u0", "partition": "train", "rows": 6}
+    first_sample = next(i for i, (p, k) in enumerate(order) if p == "train" and k != "u0")
+    assert order.index((rollout.PROMPT_PARTITION, next(iter(side)))) < first_sample
+    assert store.data["train"]["u0"][1]["status"] == "finished"
+    assert len(worker.stable_prompt_sharing) == 0 and worker.stable_prompt_puts == {}  # nothing kept after
+    keys = [f"u0_{i}_0" for i in range(4)]
+    batch = store.kv_batch_get(keys, "train")
+    assert [int(r[0]) for r in batch[rollout.PROMPT_REF_FIELD].unbind()] == [6, 6, 0, 6]
+    m = rollout.transport_metrics(batch[rollout.BOUNDARY_FIELD])
+    assert m[f"{PREFIX}prompt_groups_shared"] == 1.0 and m[f"{PREFIX}prompt_rows_differ"] == 1.0
+    assert rollout.expand_compact_routing(batch, LAYOUT, kv_batch_get=store.kv_batch_get)
+    for got, ref in zip(batch["routed_experts"].unbind(), worker.reference, strict=True):
+        assert torch.equal(got, ref)
+
+
+def test_real_worker_shares_nothing_for_a_group_of_one():
+    worker, store = _worker(n=1)
+    asyncio.run(worker._run_prompt(_prompt("u1"), {}, {"validate": False}))
+    assert store.side_entries() == {}
+    batch = store.kv_batch_get(["u1_0_0"], "train")
+    assert not batch[rollout.PROMPT_REF_FIELD].values().any()  # the field is there (one schema per partition), zero
+    assert rollout.expand_compact_routing(batch, LAYOUT, kv_batch_get=None)  # no read needed
+    assert torch.equal(batch["routed_experts"][0], worker.reference[0])
