@@ -14,7 +14,9 @@ from verl_stable.lab import variants as V
 def test_presets_cover_the_issue():
     default = sweep.PRESETS["default"]
     assert {("reinforce_no_is", 1), ("minirl", 1)} <= set(default.runs)
-    assert {(v, 4) for v in ("minirl", "minirl_r2", "minirl_r3", "vespo")} <= set(default.runs)
+    assert {(v, 4) for v in ("minirl", "minirl_r3", "vespo")} <= set(default.runs)
+    replay = sweep.PRESETS["replay"]
+    assert set(replay.runs) == {(v, n) for v in ("minirl", "minirl_r2", "minirl_r3") for n in (2, 4)}
     assert default.precision == "fp8"
     full = sweep.PRESETS["full"]
     assert {(v, n) for v in V.VARIANTS for n in V.STALENESS_CHOICES} == set(full.runs)

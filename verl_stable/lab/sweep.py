@@ -99,17 +99,22 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
-        # target <= 10 min on 2 cores (measured 12m45s, docs/lab.md): on-policy IS vs no IS, routing / loss at N = 4
+        # <= 10 min on 2 cores (docs/lab.md): on-policy IS vs no IS; at N = 4 staleness, routing replay R3, VESPO
         Preset(
             "default",
             runs=(
                 ("reinforce_no_is", 1),
                 ("minirl", 1),
                 ("minirl", 4),
-                ("minirl_r2", 4),
                 ("minirl_r3", 4),
                 ("vespo", 4),
             ),
+            steps=8,
+        ),
+        # R2 vs R3 against MiniRL without replay at two staleness levels (~12 min on 2 cores)
+        Preset(
+            "replay",
+            runs=tuple((v, n) for n in (2, 4) for v in ("minirl", "minirl_r2", "minirl_r3")),
             steps=8,
         ),
         Preset(
