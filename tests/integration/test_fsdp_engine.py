@@ -576,23 +576,10 @@ def _actor_metric(row, name):
     return row[f"actor/{fe.METRIC_PREFIX}{name}"]
 
 
-@pytest.mark.e2e
-def test_e2e_r3_replays_the_rollout_routing_with_zero_disagreement(e2e_assets, tmp_path):
-    rows = _e2e_run(e2e_assets, tmp_path / "r3", "R3")
-    assert [r["step"] for r in rows] == [1, 2]
-    for row in rows:
-        assert _actor_metric(row, "disagreement") == 0.0  # every update mini-step used the rollout's experts
-        assert _actor_metric(row, "replayed_rows") > 0
-        assert _actor_metric(row, "router_disagreement") > 0.0  # what bf16 rollout vs fp32 training would change
-
-
-@pytest.mark.e2e
-def test_e2e_r2_updates_replay_the_old_log_prob_routing(e2e_assets, tmp_path):
-    rows = _e2e_run(e2e_assets, tmp_path / "r2", "R2", routing_capture=False)
-    for row in rows:
-        assert _actor_metric(row, "disagreement") == 0.0  # updates used pi_old's recorded experts
-        assert _actor_metric(row, "replayed_rows") > 0
-        assert _actor_metric(row, "missing_rows") == 0.0  # pi_old recorded every token
+# R3 and R2 through verl's main_ppo run once each, with this engine, in
+# tests/integration/test_rollout_routing.py::test_e2e_r3_actors_receive_the_compact_form_and_replay_it (bf16 rollout,
+# two update mini-steps of two micro-batches) and
+# tests/integration/test_monitor_e2e.py::test_n2_r2_recipe_logs_staleness_and_r2_drift_per_update_mini_step.
 
 
 @pytest.mark.e2e

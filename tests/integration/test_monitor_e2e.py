@@ -4,6 +4,8 @@ verl's logged metrics; a deliberately destabilised run is stopped by the guard w
 Slow (two short runs of a few minutes on two cores): marked ``e2e``.
 """
 
+import math
+
 import pytest
 
 from verl_stable.cpu import launch
@@ -69,7 +71,8 @@ def test_destabilised_run_is_stopped_by_the_guard_with_its_reason(assets, tmp_pa
 
 
 def test_n2_r2_recipe_logs_staleness_and_r2_drift_per_update_mini_step(tmp_path):
-    # The minirl_n2_r2 recipe (stable_sync, minirl, R2, N = 2 update mini-steps per step) on the tiny MoE.
+    # The minirl_n2_r2 recipe (stable_sync, minirl, R2, N = 2 update mini-steps per step) on the tiny MoE, through
+    # verl's real main_ppo: the one e2e run of the R2 recipe (the recipe and FSDP-engine tests rely on it).
     from verl_stable import recipes as R
 
     assets = ensure_assets(tmp_path / "assets", AssetSpec(task="copy"))
@@ -100,6 +103,14 @@ def test_n2_r2_recipe_logs_staleness_and_r2_drift_per_update_mini_step(tmp_path)
         assert row["stable/routing/r2_drift"] == pytest.approx(drift)
         assert row["stable/routing/disagreement"] == 0.0  # both updates used pi_old's experts
         assert not any(k.startswith("actor/stable/") for k in row)
+        # the recipe itself: minirl loss with token IS weights, R2 replay through the plugin's FSDP engine
+        assert math.isfinite(row["actor/pg_loss"]) and row["actor/grad_norm"] > 0
+        assert "rollout_corr/k3_kl" in row  # token IS weights were computed and reached the loss
+        assert "actor/MiniRL/ratio_mean" in row and "stable/entropy/mean" in row
+        assert row["stable/routing/replayed_rows"] > 0
+        assert row["stable/routing/missing_rows"] == 0.0  # pi_old's log-prob pass recorded every token
+    # N = 2: the second mini-step of a step sees pi_theta != pi_old (on-policy the ratio would be exactly 1)
+    assert rows[0]["actor/MiniRL/ratio_min"] < 1.0 < rows[0]["actor/MiniRL/ratio_max"]
 
 
 def test_colocate_async_mode_logs_stable_metrics(assets, tmp_path):

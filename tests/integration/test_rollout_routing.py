@@ -279,7 +279,7 @@ def test_register_checks_verl_interfaces():
 # ------------------------------------------------------------------------------------------------ end to end
 @pytest.mark.e2e
 def test_e2e_r3_actors_receive_the_compact_form_and_replay_it(tmp_path):
-    """verl's main_ppo on the CPU runtime: hf rollout (fp32) -> compact manager -> TransferQueue -> FSDP R3 replay.
+    """verl's main_ppo on the CPU runtime: hf rollout (bf16) -> compact manager -> TransferQueue -> FSDP R3 replay.
 
     The prompt rows travel once per group (side entries re-attached on the actors): every update still replays
     exactly the rollout's experts."""
@@ -288,10 +288,12 @@ def test_e2e_r3_actors_receive_the_compact_form_and_replay_it(tmp_path):
     from verl_stable.lab.assets import AssetSpec, ensure_assets
 
     assets = ensure_assets(tmp_path / "assets", AssetSpec(task="copy"))
-    overrides = launch.cpu_overrides(assets, steps=2, precision="fp32", routing_capture=True, metrics_logger=("file",))
+    overrides = launch.cpu_overrides(assets, steps=2, precision="bf16", routing_capture=True, metrics_logger=("file",))
     overrides += [
         f"trainer.default_local_dir={tmp_path / 'checkpoints'}",
         "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",  # two update mini-steps per step
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",  # two micro-batches per mini-step
         f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={rollout.MANAGER_FQN}",
         "trainer.v1.trainer_mode=stable_sync",  # logs stable/routing/transport/* and clears the side entries
     ]
@@ -304,6 +306,7 @@ def test_e2e_r3_actors_receive_the_compact_form_and_replay_it(tmp_path):
         assert row[f"{fe.METRIC_PREFIX}disagreement"] == 0.0  # every update used the rollout's experts
         assert row[f"{fe.METRIC_PREFIX}replayed_rows"] > 0
         assert row[f"{fe.METRIC_PREFIX}missing_rows"] > 0  # at least each sample's last token
+        assert row[f"{fe.METRIC_PREFIX}router_disagreement"] > 0.0  # what bf16 rollout vs fp32 training would change
         transport = {k.removeprefix(rollout.TRANSPORT_METRIC_PREFIX): v for k, v in row.items() if "transport/" in k}
         assert transport["prompt_groups_shared"] == 4.0  # 4 prompts x rollout.n = 4: each prompt's rows put once
         assert transport["prompt_rows_deduplicated"] > 0 and transport["prompt_rows_differ"] < transport["samples"]
