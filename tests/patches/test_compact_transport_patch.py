@@ -13,6 +13,7 @@ import inspect
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import textwrap
@@ -69,6 +70,30 @@ def _vllm_routing(layout, rows: int, seed: int) -> np.ndarray:
     return encode_vllm(RoutedRows(0, ids.numpy().astype(dtype)), layout)
 
 
+# prompt rows once per group: two groups of n = 4 (deepseek_v3 layout); in g1 session 2's prompt rows differ (an
+# engine may route the same prompt differently across requests); sessions finish out of order (delays)
+SHARE_N, SHARE_PROMPT_LEN, SHARE_DIFFERING, SHARE_FIRST = 4, 5, 2, 1
+SHARE_MASKS = [[1] * 6, [1, 1, 1, 0, 0, 1, 1, 0], [1] * 3, [1, 1, 1, 1, 1]]
+SHARE_EXTRA = [0, 0, 0, 1]  # session 3 was cut at response_length: one more row
+SHARE_DELAYS = [0.02, 0.0, 0.01, 0.03]
+
+
+def _sharing_fixture() -> dict:
+    config, layout, _ = _fixtures("deepseek_v3")
+    groups = {}
+    for g, uid in enumerate(("g1", "g2")):
+        prompt = _vllm_routing(layout, SHARE_PROMPT_LEN, seed=100 + g)
+        sessions = []
+        for s, (mask, extra) in enumerate(zip(SHARE_MASKS, SHARE_EXTRA, strict=True)):
+            extent = max(j for j, m in enumerate(mask) if m) + 1
+            routing = _vllm_routing(layout, SHARE_PROMPT_LEN + extent - 1 + extra, seed=200 + 10 * g + s)
+            if not (uid == "g1" and s == SHARE_DIFFERING):
+                routing[:SHARE_PROMPT_LEN] = prompt
+            sessions.append((SHARE_PROMPT_LEN, mask, routing, SHARE_DELAYS[s]))
+        groups[uid] = sessions
+    return {"config": config, "n": SHARE_N, "groups": groups, "shared_session": 0}
+
+
 def _fixtures(family: str):
     config = _configs()[family]
     layout = layout_from_config(config)
@@ -87,6 +112,7 @@ PROBE = textwrap.dedent(
     from tensordict import TensorDict
     from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
     from verl.trainer.ppo import metric_utils
+    from verl.trainer.ppo.padding_utils import construct_minimal_padding_template
     from verl.utils import rollout_routing as rr
     from verl.utils.tensordict_utils import list_of_dict_to_tensordict
     from verl.workers.engine_workers import ActorRolloutRefWorker
@@ -159,7 +185,10 @@ PROBE = textwrap.dedent(
     family = "deepseek_v3"
     config, samples = args["families"][family]
     layout = rr.RoutingLayout.from_hf_config(config)
-    store = list_of_dict_to_tensordict([output(*s).as_dict(routing_layout=layout) for s in samples])
+    stored = [output(*s).as_dict(routing_layout=layout) for s in samples]
+    for fields, s in zip(stored, samples):
+        rr.share_prompt_rows_(fields, s[0], None)  # what AgentLoopWorkerTQ stores: a zero prompt reference
+    store = list_of_dict_to_tensordict(stored)
     requested = []
     def kv_batch_get(keys, partition_id, select_fields):
         requested.append(list(select_fields))
@@ -241,6 +270,128 @@ PROBE = textwrap.dedent(
         "compact_per_token": sum(compact[k].numel() * compact[k].element_size() for k in (rr.ROUTING_IDS_KEY, rr.ROUTING_LAYOUT_KEY)) / tokens,
         "original_per_token": original.numel() * original.element_size() / tokens,
     }
+
+    # prompt rows once per rollout.n group: agent-loop worker -> TransferQueue (in memory) -> actor worker -> clear
+    import asyncio
+    from collections import defaultdict
+    from omegaconf import OmegaConf
+    import transfer_queue
+    from verl.trainer.ppo.v1 import agent_loop_tq, replay_buffer, trainer_base
+
+    class Store:  # TransferQueue's kv_* signatures over dicts; records every put
+        def __init__(self):
+            self.parts, self.puts = {}, []
+        def _row(self, partition_id, key):
+            return self.parts.setdefault(partition_id, {}).setdefault(key, [{}, {}])
+        async def async_kv_put(self, key, partition_id, fields=None, tag=None):
+            self.puts.append((partition_id, key))
+            row = self._row(partition_id, key)
+            if fields is not None:
+                row[0].update({k: fields[k][0].clone() for k in fields.keys()})
+            row[1].update(tag or {})
+        async def async_kv_batch_put(self, keys, partition_id, fields=None, tags=None):
+            columns = {}
+            for name in fields.keys():
+                value = fields[name]
+                if isinstance(value, torch.Tensor):
+                    columns[name] = list(value.unbind()) if value.is_nested else list(value.unbind(0))
+            for i, key in enumerate(keys):
+                self.puts.append((partition_id, key))
+                row = self._row(partition_id, key)
+                row[0].update({name: parts[i].clone() for name, parts in columns.items()})
+                row[1].update(tags[i] if tags else {})
+        def kv_batch_get(self, keys, partition_id, select_fields=None):
+            rows = self.parts.get(partition_id, {})
+            if any(k not in rows for k in keys):
+                raise ValueError("keys or partition were not found!")
+            missing = [f for f in select_fields if any(f not in rows[k][0] for k in keys)]
+            if missing:
+                raise ValueError(f"fields {missing} not found")
+            return list_of_dict_to_tensordict([{f: rows[k][0][f] for f in select_fields} for k in keys])
+        def kv_list(self, partition_id=None):
+            parts = self.parts if partition_id is None else {p: self.parts[p] for p in [partition_id] if p in self.parts}
+            return {p: {k: dict(row[1]) for k, row in rows.items()} for p, rows in parts.items()}
+        def kv_clear(self, keys, partition_id):
+            for key in [keys] if isinstance(keys, str) else keys:
+                self.parts.get(partition_id, {}).pop(key, None)
+
+    store = Store()
+    for name in ("async_kv_put", "async_kv_batch_put", "kv_batch_get", "kv_list", "kv_clear"):
+        setattr(transfer_queue, name, getattr(store, name))
+
+    share = args["sharing"]
+    layout = rr.RoutingLayout.from_hf_config(share["config"])
+    worker = object.__new__(agent_loop_tq.AgentLoopWorkerTQ.__ray_actor_class__)
+    worker.routing_layout, worker.routing_prompt_groups = layout, {}
+    worker.config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"n": share["n"], "val_kwargs": {"n": 1}}}})
+    async def no_score(outputs, kwargs):
+        return None
+    async def no_teacher(*a, **k):
+        return None
+    worker._compute_score, worker._compute_teacher_logprobs = no_score, no_teacher
+    worker._compute_multi_modal_inputs = lambda output, input_ids: {}
+    worker._compute_position_ids = lambda ids, mask, mm: torch.arange(ids.shape[1]).unsqueeze(0)
+    groups_seen = []
+    async def run_agent_loop(sampling_params, trajectory, trace, session_id, uid, **kwargs):
+        prompt_len, mask, routing, delay = share["groups"][uid][session_id]
+        await asyncio.sleep(delay)  # sessions finish out of order
+        groups_seen.append(len(worker.routing_prompt_groups))
+        await worker._agent_loop_postprocess(output(prompt_len, mask, routing), trajectory["validate"], uid=uid,
+                                             session_id=session_id, global_steps=1)
+    worker._run_agent_loop = run_agent_loop
+    async def rollout():
+        await asyncio.gather(*[worker._run_prompt({"uid": uid}, {}, trajectory={"validate": False})
+                               for uid in share["groups"]])
+    asyncio.run(rollout())
+    P = rr.ROUTING_PROMPT_PARTITION
+    sample_keys = {uid: [f"{uid}_{s}_0" for s in range(len(sessions))] for uid, sessions in share["groups"].items()}
+    stored = {uid: [store.parts["train"][k][0] for k in keys] for uid, keys in sample_keys.items()}
+    sharing = {
+        "status": {uid: store.parts["train"][uid][1]["status"] for uid in share["groups"]},
+        "side_puts": [key for part, key in store.puts if part == P],
+        "side_tags": {k: row[1] for k, row in store.parts[P].items()},
+        "stored_rows": {uid: [int(f[rr.ROUTING_IDS_KEY].shape[0]) for f in fs] for uid, fs in stored.items()},
+        "refs": {uid: [f[rr.ROUTING_PROMPT_REF_KEY].tolist() for f in fs] for uid, fs in stored.items()},
+        "groups_during": max(groups_seen), "groups_after": len(worker.routing_prompt_groups),
+    }
+    select = ["prompts", "responses", "input_ids", rr.ROUTING_IDS_KEY, rr.ROUTING_LAYOUT_KEY, rr.ROUTING_PROMPT_REF_KEY]
+    def actor_expand(uid):
+        td = transfer_queue.kv_batch_get(keys=sample_keys[uid], partition_id="train", select_fields=select)
+        actor = FakeWorker()
+        ActorRolloutRefWorker.compute_log_prob(actor, td)
+        return [t.clone() for t in actor.actor.data["routed_experts"].unbind()]
+    reads = []
+    get = transfer_queue.kv_batch_get
+    def counting_get(keys, partition_id, select_fields=None):
+        reads.append((partition_id, list(keys)))
+        return get(keys=keys, partition_id=partition_id, select_fields=select_fields)
+    transfer_queue.kv_batch_get = counting_get
+    sharing["expanded"] = {uid: actor_expand(uid) for uid in share["groups"]}
+    sharing["actor_reads"] = reads
+    transfer_queue.kv_batch_get = get
+    got = metric_utils.get_metric_data_with_optional_routed_experts(
+        keys=sample_keys["g1"], partition_id="train", fields=["prompts", "responses"], moe_lb_metrics_interval=1,
+        global_steps=1, accumulator=metric_utils.RolloutMoELoadBalanceMetricsAccumulator(), kv_batch_get=get)
+    sharing["metrics_routed_experts"] = [t.clone() for t in got["routed_experts"].unbind()]
+    real = dict(stored["g1"][share["shared_session"]])
+    pad, _ = construct_minimal_padding_template(real, {"prompt_len": 5}, eos_token_id=2)
+    sharing["padding_ref"] = pad[rr.ROUTING_PROMPT_REF_KEY].tolist()
+    # ReplayBuffer evicts group g2 (failure / DAPO / staleness): its side entry goes, g1's stays
+    rb = object.__new__(replay_buffer.ReplayBuffer)
+    rb.partitions = defaultdict(dict, {"train": {k: {} for keys in sample_keys.values() for k in keys}})
+    rb.pending_keys, rb.running_keys, rb.finished_keys, rb.failure_keys = (defaultdict(set) for _ in range(4))
+    rb.prompt_global_steps, rb._dapo_classification_cache = defaultdict(dict), defaultdict(dict)
+    rb._clear_groups("train", {"g2"})
+    sharing["side_after_evict"] = sorted(row[1]["uid"] for row in store.parts[P].values())
+    sharing["g1_after_evict"] = actor_expand("g1")
+    # the trainer's step-end clear of g1's samples also clears g1's side entry; the actor then fails loudly
+    config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"enable_rollout_routing_replay": True}}})
+    transfer_queue.kv_clear(keys=sample_keys["g1"], partition_id="train")
+    trainer_base._clear_routing_prompt_rows(config, "train", sample_keys["g1"])
+    sharing["side_after_step"] = len(store.parts[P])
+    store.parts["train"].update({k: [f, {}] for k, f in zip(sample_keys["g1"], stored["g1"])})  # samples only
+    catch("share_missing_entry", lambda: actor_expand("g1"))
+    result["sharing"] = sharing
     torch.save(result, args["out"])
     """
 )
@@ -267,7 +418,7 @@ def probe(patched_verl, tmp_path_factory) -> dict:
         config, _, samples = _fixtures(family)
         families[family] = (config, samples)
     dense = LlamaConfig(num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=2)
-    args = {"families": families, "dense_config": dense, "out": str(work / "result.pt")}
+    args = {"families": families, "dense_config": dense, "out": str(work / "result.pt"), "sharing": _sharing_fixture()}
     (work / "args.pkl").write_bytes(pickle.dumps(args))
     (work / "probe.py").write_text(PROBE)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(patched_verl), os.environ.get("PYTHONPATH", "")]))
@@ -382,7 +533,11 @@ def test_recorded_routing_wins_over_rollout_routing(probe, family):
 
 def test_trainer_moe_metrics_read_the_compact_fields(probe):
     assert probe["metrics_requested"][0][-1] == "routed_experts"
-    assert probe["metrics_requested"][1][-2:] == ["routed_experts_compact", "routed_experts_layout"]
+    assert probe["metrics_requested"][1][-3:] == [
+        "routed_experts_compact",
+        "routed_experts_layout",
+        "routed_experts_prompt_ref",
+    ]
     _, _, samples = _fixtures("deepseek_v3")
     for got, sample in zip(probe["metrics_routed_experts"], samples, strict=True):
         torch.testing.assert_close(got, _original_as_dict(*sample), rtol=0, atol=0)
@@ -442,5 +597,66 @@ def test_every_validation_error_is_clear(probe, case):
 
 
 def test_probe_reports_every_case(probe):
-    assert set(probe["errors"]) == set(ERRORS) | {"ok", "ok_read_only"}
+    assert set(probe["errors"]) == set(ERRORS) | {"ok", "ok_read_only", "share_missing_entry"}
     json.dumps(probe["errors"])  # plain strings only
+
+
+# ------------------------------------------------------------------------------- prompt rows once per group
+def _shared(uid: str, session: int) -> bool:
+    return not (uid == "g1" and session == SHARE_DIFFERING)
+
+
+def test_group_round_trip_equals_verl_original_on_every_token(probe):
+    """Agent-loop postprocess -> TransferQueue -> actor worker gives verl's unpatched int16 routing, every sample."""
+    sharing = probe["sharing"]
+    assert sharing["status"] == {"g1": "finished", "g2": "finished"}
+    for uid, sessions in _sharing_fixture()["groups"].items():
+        assert len(sharing["expanded"][uid]) == SHARE_N
+        for s, (prompt_len, mask, routing, _) in enumerate(sessions):
+            reference = _original_as_dict(prompt_len, mask, routing)
+            assert reference[:prompt_len].any()
+            torch.testing.assert_close(sharing["expanded"][uid][s], reference, rtol=0, atol=0, msg=f"{uid} {s}")
+    for got, sample in zip(sharing["metrics_routed_experts"], _sharing_fixture()["groups"]["g1"], strict=True):
+        torch.testing.assert_close(got, _original_as_dict(*sample[:3]), rtol=0, atol=0)
+
+
+def test_identical_prompt_rows_are_stored_once_per_group(probe):
+    sharing = probe["sharing"]
+    assert len(sharing["side_puts"]) == 2 == len(set(sharing["side_puts"]))  # one entry per group, put once
+    assert sorted(tag["uid"] for tag in sharing["side_tags"].values()) == ["g1", "g2"]
+    assert all(
+        tag["rows"] == SHARE_PROMPT_LEN and tag["partition_id"] == "train" for tag in sharing["side_tags"].values()
+    )
+    for uid, sessions in _sharing_fixture()["groups"].items():
+        key = next(k for k, tag in sharing["side_tags"].items() if tag["uid"] == uid)
+        for s, (prompt_len, _, routing, _) in enumerate(sessions):
+            rows, ref = sharing["stored_rows"][uid][s], sharing["refs"][uid][s]
+            if _shared(uid, s):
+                assert rows == routing.shape[0] - prompt_len, (uid, s)
+                assert ref[0] == prompt_len and struct.pack(">qq", ref[1], ref[2]).hex() == key
+            else:
+                assert rows == routing.shape[0] and ref == [0, 0, 0], (uid, s)
+    # the worker forgets a group once its sessions settle
+    assert sharing["groups_during"] == 2 and sharing["groups_after"] == 0
+
+
+def test_actor_reads_the_distinct_side_entries_once(probe):
+    side = [keys for partition, keys in probe["sharing"]["actor_reads"] if partition == "routing_prompt_rows"]
+    assert [len(keys) for keys in side] == [1, 1]  # one read per group's batch, its one entry
+
+
+def test_padding_sample_does_not_refer_to_shared_rows(probe):
+    assert probe["sharing"]["padding_ref"] == [0, 0, 0]
+
+
+def test_clearing_a_group_clears_its_side_entry(probe):
+    sharing = probe["sharing"]
+    assert sharing["side_after_evict"] == ["g1"]  # ReplayBuffer._clear_groups({"g2"})
+    for got, sample in zip(sharing["g1_after_evict"], _sharing_fixture()["groups"]["g1"], strict=True):
+        torch.testing.assert_close(got, _original_as_dict(*sample[:3]), rtol=0, atol=0)
+    assert sharing["side_after_step"] == 0  # step-end clear of g1's samples
+
+
+def test_missing_side_entry_raises(probe):
+    name, message = probe["errors"]["share_missing_entry"]
+    assert name == "RolloutRoutingError" and "routing_prompt_rows" in message and "never put" in message
