@@ -579,7 +579,7 @@ def _actor_metric(row, name):
 # R3 and R2 through verl's main_ppo run once each, with this engine, in
 # tests/integration/test_rollout_routing.py::test_e2e_r3_actors_receive_the_compact_form_and_replay_it (bf16 rollout,
 # two update mini-steps of two micro-batches) and
-# tests/integration/test_monitor_e2e.py::test_n2_r2_recipe_logs_staleness_and_r2_drift_per_update_mini_step.
+# tests/integration/test_monitor_e2e_modes.py::test_n2_r2_recipe_logs_staleness_and_r2_drift_per_update_mini_step.
 
 
 @pytest.mark.e2e

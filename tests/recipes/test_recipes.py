@@ -386,5 +386,5 @@ def test_cpu_overrides_refuse_megatron():
 
 
 # The minirl_n2_r2 recipe runs end to end through verl's main_ppo in
-# tests/integration/test_monitor_e2e.py::test_n2_r2_recipe_logs_staleness_and_r2_drift_per_update_mini_step, which
+# tests/integration/test_monitor_e2e_modes.py::test_n2_r2_recipe_logs_staleness_and_r2_drift_per_update_mini_step, which
 # checks the minirl loss, token IS weights, R2 replay and the monitor on it (one e2e run instead of two).
