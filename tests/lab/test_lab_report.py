@@ -96,6 +96,18 @@ def test_offpolicy_comparison_names_the_direction():
     assert "vespo vs MiniRL at N=4" in text and "not visible at this scale" in text
 
 
+def test_a_direction_from_one_seed_is_flagged_as_not_evidence():
+    one = [_row("minirl", 4, 1, 0.2), _row("minirl_r3", 4, 1, 0.6)]
+    text = "\n".join(R.findings(R.summarize(one)))
+    assert "minirl_r3 ahead" in text and "with one seed per variant this is not evidence" in text
+    two = one + [_row("minirl", 4, 1, 0.2, seed=1), _row("minirl_r3", 4, 1, 0.6, seed=1)]
+    text = "\n".join(R.findings(R.summarize(two)))
+    assert "minirl_r3 ahead" in text and "not evidence" not in text
+    # no direction claimed: nothing to qualify
+    flat = [_row("minirl", 4, 1, 0.2), _row("minirl_r3", 4, 1, 0.21)]
+    assert "not evidence" not in "\n".join(R.findings(R.summarize(flat)))
+
+
 def test_noise_margin_comes_from_the_standard_errors():
     rows = [_row("minirl", 4, s, r) for s, r in enumerate([0.0, 0.0, 0.2, 0.6], start=1)]
     rows += [_row("minirl_r3", 4, s, r) for s, r in enumerate([0.0, 0.0, 0.5, 0.7], start=1)]

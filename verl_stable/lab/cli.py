@@ -1,7 +1,7 @@
 """``verl-stable lab``: run the CPU comparison of the paper's variants with verl's own trainer and write the report.
 
     verl-stable lab                       # default preset: ~8.5 min on 2 cores, no GPU, no download
-    verl-stable lab --preset replay       # R2 vs R3 vs no replay at N = 2 and 4 (~12 min)
+    verl-stable lab --preset replay       # R2 vs R3 vs no replay at N = 2 and 4 (~9 min)
     verl-stable lab --preset full --out ./lab_full
     verl-stable lab --list                # presets and variants
     verl-stable lab --report-only --out ./lab   # re-render the report from the runs on disk

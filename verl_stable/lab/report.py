@@ -224,6 +224,19 @@ def compare_late_reward(a: CellSummary, b: CellSummary) -> tuple[float | None, f
     return ra - rb, max(REWARD_MARGIN, noise)
 
 
+ONE_SEED_CAVEAT = (
+    "; but with one seed per variant this is not evidence: lab runs are not bit-reproducible (the hf server samples "
+    "concurrent requests in arrival order) and two runs of the same seed differed by 0.21 in late reward "
+    "(docs/lab.md); rerun with --seeds 0 1 2"
+)
+"""Appended to a reward verdict that points a direction when either side has a single seed: the margin only covers
+the noise within a run, not between runs."""
+
+
+def _caveat(a: CellSummary, b: CellSummary) -> str:
+    return ONE_SEED_CAVEAT if min(a.seeds, b.seeds) < 2 else ""
+
+
 def findings(cells: Sequence[CellSummary]) -> list[str]:
     """Sentences comparing the measured numbers with the paper's findings; each states its criterion."""
     out = []
@@ -233,7 +246,7 @@ def findings(cells: Sequence[CellSummary]) -> list[str]:
             if gap is None:
                 continue
             verdict = (
-                "consistent with the paper (dropping the IS weight hurts)"
+                "consistent with the paper (dropping the IS weight hurts)" + _caveat(a, b)
                 if gap > margin
                 else "the paper's collapse without the IS weight is NOT reproduced at this scale"
             )
@@ -261,9 +274,9 @@ def findings(cells: Sequence[CellSummary]) -> list[str]:
                 if gap is None:
                     continue
                 if gap > margin:
-                    verdict = f"{name} ahead, as the paper finds for off-policy N"
+                    verdict = f"{name} ahead, as the paper finds for off-policy N" + _caveat(other, base)
                 elif -gap > margin:
-                    verdict = f"{name} behind: the paper's gain is NOT reproduced here"
+                    verdict = f"{name} behind: the paper's gain is NOT reproduced here" + _caveat(other, base)
                 else:
                     verdict = f"no difference beyond {_fmt(margin)}: the paper's gain is not visible at this scale"
                 out.append(

@@ -111,7 +111,7 @@ PRESETS: dict[str, Preset] = {
             ),
             steps=8,
         ),
-        # R2 vs R3 against MiniRL without replay at two staleness levels (~12 min on 2 cores)
+        # R2 vs R3 against MiniRL without replay at two staleness levels (9 min 11 s on 2 cores, cold start cached)
         Preset(
             "replay",
             runs=tuple((v, n) for n in (2, 4) for v in ("minirl", "minirl_r2", "minirl_r3")),
