@@ -127,12 +127,17 @@ def build_datasets(root: str | os.PathLike, spec: AssetSpec) -> tuple[Path, Path
     return paths[0], paths[1]
 
 
+def asset_paths(root: str | os.PathLike) -> Assets:
+    """Where :func:`ensure_assets` puts the assets under ``root``; builds nothing (for checks made before any work)."""
+    root = Path(root)
+    return Assets(root, root / "model", root / "train.parquet", root / "val.parquet")
+
+
 def ensure_assets(root: str | os.PathLike, spec: AssetSpec | None = None) -> Assets:
     """Create the assets under ``root`` unless an identical build is already there. Returns their paths."""
     spec = spec or AssetSpec()
-    root = Path(root)
-    model_dir = root / "model"
-    assets = Assets(root, model_dir, root / "train.parquet", root / "val.parquet")
+    assets = asset_paths(root)
+    root, model_dir = assets.root, assets.model_dir
     marker = root / MARKER
     if marker.exists() and json.loads(marker.read_text()) == asdict(spec) and assets.train_file.exists():
         return assets

@@ -6,19 +6,56 @@
     verl-stable lab --list                # presets and variants
     verl-stable lab --report-only --out ./lab   # re-render the report from the runs on disk
 
-Re-running with the same ``--out`` skips runs that are already complete (resumable).
+Re-running with the same ``--out`` skips runs that are already complete (resumable); results already in ``--out``
+are never deleted or truncated (see :mod:`verl_stable.lab.sweep`). Every argument is checked before any work starts:
+an unknown ``--only`` prefix, a ``--steps`` or ``--jobs`` below 1, a negative or repeated seed, a ``--timeout`` that is
+not a positive number, or an ``--out`` that is a file is refused with exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
 
-def _list(out) -> None:
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _seed(text: str) -> int:
+    """argparse type: an integer >= 0 (verl seeds numpy and torch with it)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
+def _list(out: Callable[[str], None]) -> None:
     from verl_stable.lab.sweep import PRESETS
     from verl_stable.lab.variants import VARIANTS
 
@@ -32,19 +69,25 @@ def _list(out) -> None:
         out(f"  {v.name:<16} recipe={v.recipe:<16} {sw}")
 
 
-def main(argv: Sequence[str] | None = None, out=print) -> int:
-    """Entry point of ``verl-stable lab``; returns 0 when every run succeeded and the report was written."""
+def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) -> int:
+    """Entry point of ``verl-stable lab``; returns 0 when every run succeeded and the report was written.
+
+    Raises:
+        SystemExit: code 2 for a bad argument, before anything is built or run (argparse's convention).
+    """
     from verl_stable.lab import report, sweep
 
     parser = argparse.ArgumentParser(prog="verl-stable lab", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="default", choices=sorted(sweep.PRESETS))
     parser.add_argument("--out", default="./verl_stable_lab", help="output directory (runs, cache, report)")
-    parser.add_argument("--steps", type=int, help="override the preset's RL steps per run")
-    parser.add_argument("--seeds", type=int, nargs="+", help="override the preset's seeds")
+    parser.add_argument("--steps", type=_positive_int, help="override the preset's RL steps per run")
+    parser.add_argument("--seeds", type=_seed, nargs="+", help="override the preset's seeds (distinct, >= 0)")
     parser.add_argument("--precision", choices=("fp8", "bf16", "fp16", "fp32"), help="rollout precision")
     parser.add_argument("--only", nargs="+", help="run names starting with these (e.g. minirl_r3__N4)")
-    parser.add_argument("--timeout", type=float, help="per-run wall-clock limit in seconds")
-    parser.add_argument("--jobs", type=int, help="runs at once (default: 2 on a host with >= 2 cores and 12 GiB)")
+    parser.add_argument("--timeout", type=_seconds, help="per-run wall-clock limit in seconds")
+    parser.add_argument(
+        "--jobs", type=_positive_int, help="runs at once (default: 2 on a host with >= 2 cores and 12 GiB)"
+    )
     parser.add_argument("--report-only", action="store_true", help="only re-render the report from --out")
     parser.add_argument("--list", action="store_true", help="list presets and variants, then exit")
     args = parser.parse_args(argv)
@@ -53,15 +96,28 @@ def main(argv: Sequence[str] | None = None, out=print) -> int:
         return 0
     preset = sweep.PRESETS[args.preset]
     changes = {"steps": args.steps, "seeds": tuple(args.seeds) if args.seeds else None, "precision": args.precision}
-    preset = replace(preset, **{k: v for k, v in changes.items() if v is not None})
+    try:
+        preset = replace(preset, **{k: v for k, v in changes.items() if v is not None})
+        specs = preset.select(args.only)
+    except ValueError as exc:
+        parser.error(str(exc))
     out_dir = Path(args.out).resolve()
+    if out_dir.exists() and not out_dir.is_dir():
+        parser.error(f"--out {out_dir} is a file; expected a directory (created if missing)")
+    try:
+        existing = sweep.load_rows(out_dir)
+    except ValueError as exc:
+        # the sweep merges into this file at the end: refuse now rather than after minutes of runs
+        print(f"cannot read the results already in --out: {exc}", file=sys.stderr)
+        return 1
+    failed = 0
     if args.report_only:
-        rows = sweep.load_rows(out_dir)
-        failed = 0
+        rows = existing
+        if not rows:
+            print(f"no metrics to report: {out_dir / 'metrics.jsonl'} is missing or empty", file=sys.stderr)
+            return 1
     else:
         outcomes = sweep.run_sweep(out_dir, preset, timeout_s=args.timeout, only=args.only, jobs=args.jobs)
-        rows = [r for o in outcomes for r in o.rows]
-        failed = 0
         for o in outcomes:
             if o.returncode != 0 or len(o.rows) < preset.steps:
                 failed += 1
@@ -69,9 +125,11 @@ def main(argv: Sequence[str] | None = None, out=print) -> int:
                     f"run {o.spec.name} failed (exit {o.returncode}, {len(o.rows)} steps); log: {o.log}",
                     file=sys.stderr,
                 )
-    if not rows:
-        print("no metrics to report", file=sys.stderr)
-        return 1
+        # the report covers every run in --out (earlier sweeps' too), as --report-only would
+        rows = sweep.load_rows(out_dir)
+        if not rows:
+            print(f"no metrics to report: none of {len(specs)} run(s) logged a step", file=sys.stderr)
+            return 1
     header = {
         "preset": preset.name,
         "task": f"{preset.task} (exact-match binary reward)",
@@ -80,7 +138,11 @@ def main(argv: Sequence[str] | None = None, out=print) -> int:
         "steps per run": str(preset.steps),
         "cold start": sweep.coldstart_line(out_dir),
     }
-    path = report.write_report(rows, out_dir, header)
+    try:
+        path = report.write_report(rows, out_dir, header)
+    except ValueError as exc:
+        print(f"cannot report {out_dir / 'metrics.jsonl'}: {exc}", file=sys.stderr)
+        return 1
     out(f"report: {path}\nmetrics: {out_dir / 'metrics.jsonl'}")
     return 1 if failed else 0
 

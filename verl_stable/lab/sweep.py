@@ -10,11 +10,18 @@ Layout of the output directory::
     assets/                     tokenizer, random tiny Qwen3-MoE, parquet data
     coldstart/<hash>/           cold-started model (cache)
     runs/<variant>__N<n>__s<seed>/{main_ppo.log, metrics.jsonl, done.json}
+    runs/<variant>__N<n>__s<seed>/superseded/<time>/   an earlier attempt's files, set aside when the run starts over
     metrics.jsonl               every run's per-step metrics, one JSON object per step (variant, staleness, seed, step)
     report.md, plots/*.png      see :mod:`verl_stable.lab.report`
 
 A run is complete when its ``done.json`` records the same overrides and its metrics hold every step; complete runs are
 skipped, so an interrupted sweep resumes where it stopped (an incomplete run starts over).
+
+Nothing measured is ever deleted or truncated: a run that starts over first moves its earlier attempt's files aside
+(``superseded/``), and ``out/metrics.jsonl`` is rewritten atomically (a temporary file renamed over it) as the rows it
+held merged with the sweep's: a run measured again replaces its own rows, every other run's rows stay. A sweep is
+checked before any work starts: an ``only`` prefix that names no run of the preset, or an ``out/metrics.jsonl`` that
+cannot be read back, is refused.
 
 Runs are independent processes (each with its own local Ray instance), so ``jobs > 1`` runs several at once. On a small
 CPU host a run's wall time is dominated by start-up (each of verl's Ray actors imports torch, tensordict and verl in a
@@ -27,10 +34,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -85,6 +93,15 @@ class Preset:
     def __post_init__(self) -> None:
         if self.steps < 1 or not self.seeds or not self.runs:
             raise ValueError(f"preset {self.name!r} needs steps >= 1, a seed and a run")
+        bad_seeds = [s for s in self.seeds if isinstance(s, bool) or not isinstance(s, int) or s < 0]
+        if bad_seeds:
+            raise ValueError(f"preset {self.name!r}: seeds must be integers >= 0, got {bad_seeds}")
+        # two runs of one name would share (and clobber) one run directory
+        if len(set(self.seeds)) != len(self.seeds) or len(set(self.runs)) != len(self.runs):
+            raise ValueError(
+                f"preset {self.name!r}: seeds and (variant, N) runs must be distinct, got seeds={list(self.seeds)} "
+                f"runs={list(self.runs)}"
+            )
         for variant, n in self.runs:
             V.get_variant(variant)
             if n not in V.STALENESS_CHOICES:
@@ -94,6 +111,23 @@ class Preset:
 
     def run_specs(self) -> list[RunSpec]:
         return [RunSpec(v, n, s) for s in self.seeds for v, n in self.runs]
+
+    def select(self, only: Sequence[str] | None = None) -> list[RunSpec]:
+        """The runs whose name starts with one of the ``only`` prefixes (every run when ``only`` is empty or None).
+
+        Raises:
+            ValueError: A prefix that names no run of this preset; the message lists the preset's run names.
+        """
+        specs = self.run_specs()
+        if not only:
+            return specs
+        unmatched = [p for p in only if not any(s.name.startswith(p) for s in specs)]
+        if unmatched:
+            raise ValueError(
+                f"--only {unmatched} names no run of preset {self.name!r}; expected a prefix of one of "
+                f"{[s.name for s in specs]}"
+            )
+        return [s for s in specs if any(s.name.startswith(p) for p in only)]
 
 
 PRESETS: dict[str, Preset] = {
@@ -159,6 +193,27 @@ def is_complete(run_dir: Path, overrides: Sequence[str], steps: int) -> bool:
     return len({r["step"] for r in read_metrics(metrics)}) >= steps
 
 
+def _set_aside(run_dir: Path) -> Path | None:
+    """Move an earlier attempt's files of ``run_dir`` into ``run_dir/superseded/<time>/``; None if there were none.
+
+    verl's file logger appends to ``metrics.jsonl``, so a run that starts over needs it gone; its rows were measured,
+    so they are moved, never deleted.
+    """
+    files = [run_dir / n for n in ("metrics.jsonl", "done.json", "error.txt", "main_ppo.log") if (run_dir / n).exists()]
+    if not any(f.name in ("metrics.jsonl", "done.json") for f in files):
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    dest = run_dir / "superseded" / stamp
+    i = 1
+    while dest.exists():
+        dest = run_dir / "superseded" / f"{stamp}_{i}"
+        i += 1
+    dest.mkdir(parents=True)
+    for f in files:
+        f.rename(dest / f.name)
+    return dest
+
+
 def _count_lines(path: Path) -> int:
     try:
         return sum(1 for line in path.read_text().splitlines() if line.strip())
@@ -184,8 +239,7 @@ def run_one(
     if is_complete(run_dir, overrides, steps):
         on_step(steps)
         return 0, True
-    for stale in ("metrics.jsonl", "done.json"):
-        (run_dir / stale).unlink(missing_ok=True)  # verl's file logger appends
+    _set_aside(run_dir)
     result: dict[str, Any] = {}
 
     def target() -> None:
@@ -274,11 +328,17 @@ def run_sweep(
     jobs = default_jobs() if jobs is None else jobs
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
+    if timeout_s is not None and not (timeout_s > 0 and timeout_s != float("inf")):
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
+    # refused here, before the assets and the cold start (tens of seconds) are built
+    specs = preset.select(only)
     out = Path(out).resolve()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output directory {out} exists and is not a directory")
+    load_rows(out)  # an unreadable metrics.jsonl would have to be overwritten at the end: refuse now
     out.mkdir(parents=True, exist_ok=True)
     assets, cs = prepare(out, preset)
     (out / "coldstart.json").write_text(json.dumps({**asdict(cs), "model_dir": str(cs.model_dir)}, indent=1))
-    specs = [s for s in preset.run_specs() if not only or any(s.name.startswith(p) for p in only)]
     tracker = _SweepProgress(progress or ProgressBar(total=len(specs) * preset.steps), preset.steps)
 
     def execute(i: int, spec: RunSpec) -> RunOutcome:
@@ -297,28 +357,91 @@ def run_sweep(
         )
         label = f"run {i + 1}/{len(specs)} {spec.variant} N={spec.staleness} seed={spec.seed}"
         t0 = time.monotonic()
-        rc, skipped = run_one(ov, run_dir, preset.steps, lambda k: tracker.set(spec.name, k, label), timeout_s)
+        try:
+            rc, skipped = run_one(ov, run_dir, preset.steps, lambda k: tracker.set(spec.name, k, label), timeout_s)
+        except Exception as exc:  # noqa: BLE001 - one broken run is reported as failed; the others' results count
+            (run_dir / "error.txt").write_text(repr(exc))
+            rc, skipped = -1, False
         tracker.set(spec.name, preset.steps, label + (" (cached)" if skipped else f" ({time.monotonic() - t0:.0f}s)"))
-        rows = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+        try:
+            rows = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+        except (ValueError, KeyError) as exc:  # a line cut short by a killed run: the file stays for inspection
+            (run_dir / "error.txt").write_text(f"metrics.jsonl unreadable: {exc!r}")
+            rows, rc = [], rc or -1
         return RunOutcome(spec, tag_rows(rows, spec), rc, skipped, run_dir / "main_ppo.log")
 
     # results keep the preset's order whatever order the runs finish in
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        outcomes = list(pool.map(execute, range(len(specs)), specs))
-    tracker.bar.close()
-    with open(out / "metrics.jsonl", "w") as f:
-        for o in outcomes:
-            for row in o.rows:
-                f.write(json.dumps(row) + "\n")
+    futures: list[Future[RunOutcome]] = []
+    try:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            futures = [pool.submit(execute, i, s) for i, s in enumerate(specs)]
+            outcomes = [f.result() for f in futures]
+    finally:
+        # also on an interrupt: the runs that finished are merged, and the rows already on disk stay
+        tracker.bar.close()
+        finished = [f.result() for f in futures if f.done() and not f.cancelled() and f.exception() is None]
+        merge_rows(out / "metrics.jsonl", finished)
     return outcomes
 
 
-def load_rows(out: str | Path) -> list[dict]:
-    """The sweep's rows from ``out/metrics.jsonl`` (empty if absent)."""
-    path = Path(out) / "metrics.jsonl"
-    if not path.exists():
+def _run_key(row: Any) -> tuple | None:
+    if not isinstance(row, dict):
+        return None
+    return (row.get("variant"), row.get("staleness"), row.get("seed"))
+
+
+def merge_rows(path: str | Path, outcomes: Sequence[RunOutcome]) -> list[dict]:
+    """Merge the outcomes' rows into the JSON-lines file ``path`` atomically; returns the rows now in it.
+
+    A run with new rows replaces that run's old rows (same variant, N and seed); a run that produced no rows leaves
+    its old rows in place, and so do all runs not in ``outcomes``. The merged rows go to a temporary file in the same
+    directory that is then renamed over ``path``, so a reader (or a crash) never sees a truncated file.
+
+    Raises:
+        ValueError: ``path`` exists but is not JSON lines (it is left untouched).
+    """
+    path = Path(path)
+    old = load_rows(path.parent, path.name)
+    fresh = [o for o in outcomes if o.rows]
+    replaced = {(o.spec.variant, o.spec.staleness, o.spec.seed) for o in fresh}
+    merged = [r for r in old if _run_key(r) not in replaced] + [r for o in fresh for r in o.rows]
+    if not fresh and path.exists():
+        return merged  # nothing new: the file stays byte for byte as it is
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            for row in merged:
+                f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return merged
+
+
+def load_rows(out: str | Path, name: str = "metrics.jsonl") -> list[dict]:
+    """The sweep's rows from ``out/metrics.jsonl`` (empty if absent).
+
+    Raises:
+        ValueError: A line that is not a JSON object; the message names the file and the line.
+    """
+    path = Path(out) / name
+    if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} line {i} is not JSON ({exc.msg}); expected one JSON object per line") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path} line {i} is a {type(row).__name__}; expected one JSON object per line")
+        rows.append(row)
+    return rows
 
 
 def coldstart_line(out: str | Path) -> str:
@@ -326,8 +449,11 @@ def coldstart_line(out: str | Path) -> str:
     path = Path(out) / "coldstart.json"
     if not path.exists():
         return "unknown"
-    info = json.loads(path.read_text())
-    return (
-        f"{info['steps']} supervised steps, expected exact-match reward {info['initial_expected_reward']:.3f} -> "
-        f"{info['expected_reward']:.3f}" + (" (cached)" if info.get("cached") else "")
-    )
+    try:
+        info = json.loads(path.read_text())
+        return (
+            f"{info['steps']} supervised steps, expected exact-match reward {info['initial_expected_reward']:.3f} -> "
+            f"{info['expected_reward']:.3f}" + (" (cached)" if info.get("cached") else "")
+        )
+    except (ValueError, KeyError, TypeError, AttributeError):  # a hand-edited file must not cost the report
+        return f"unknown ({path} is unreadable)"

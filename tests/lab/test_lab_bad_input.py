@@ -1,0 +1,292 @@
+"""The lab refuses bad arguments before any work, and never truncates or deletes results already measured.
+
+Work that a refused sweep must not start (assets, cold start, verl runs) is replaced by functions that fail the test
+when called.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from verl_stable.lab import cli, sweep
+from verl_stable.lab.assets import Assets
+from verl_stable.lab.coldstart import ColdStartResult
+
+
+def _no_work(*args, **kwargs):
+    raise AssertionError("work started although the input should have been refused")
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Any asset build, cold start or verl run fails the test."""
+    import verl_stable.cpu.launch as launch
+
+    monkeypatch.setattr(sweep, "prepare", _no_work)
+    monkeypatch.setattr(sweep, "ensure_assets", _no_work)
+    monkeypatch.setattr(sweep, "cold_start", _no_work)
+    monkeypatch.setattr(sweep, "run_one", _no_work)
+    monkeypatch.setattr(launch, "run_main_ppo", _no_work)
+
+
+def _row(variant: str, n: int, step: int, seed: int = 0, score: float = 0.5) -> dict:
+    return {"variant": variant, "staleness": n, "seed": seed, "step": step, "critic/score/mean": score}
+
+
+def _write_rows(path: Path, rows: list[dict]) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    path.write_text(text)
+    return text
+
+
+def _exit_code(argv: list[str], capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv, out=lambda _: None)
+    return info.value.code, capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ --only
+def test_unknown_only_is_refused_before_any_work_and_keeps_metrics(tmp_path, no_work, capsys, monkeypatch):
+    out = tmp_path / "lab"
+    before = _write_rows(out / "metrics.jsonl", [_row("minirl", 1, 1), _row("minirl", 1, 2)])
+    code, err = _exit_code(["--out", str(out), "--only", "minirl_r9"], capsys)
+    assert code == 2
+    assert "--only ['minirl_r9'] names no run of preset 'default'" in err
+    assert "expected a prefix of one of" in err and "minirl_r3__N4__s0" in err  # names what was expected
+    assert (out / "metrics.jsonl").read_text() == before
+    # and --report-only still reports what was there
+    import verl_stable.lab.report as report
+
+    seen: list[dict] = []
+    monkeypatch.setattr(report, "write_report", lambda rows, d, h: seen.extend(rows) or Path(d) / "report.md")
+    assert cli.main(["--out", str(out), "--report-only"], out=lambda _: None) == 0
+    assert [r["step"] for r in seen] == [1, 2]
+
+
+def test_only_naming_a_variant_outside_the_preset_is_refused(tmp_path, no_work, capsys):
+    # vanilla_grpo is a real variant, but the default preset has no run of it: a typo-like mistake all the same
+    code, err = _exit_code(["--out", str(tmp_path), "--only", "minirl__N1", "vanilla_grpo"], capsys)
+    assert code == 2 and "--only ['vanilla_grpo'] names no run of preset 'default'" in err
+
+
+def test_run_sweep_refuses_an_unknown_only_before_preparing(tmp_path, no_work):
+    with pytest.raises(ValueError, match=r"--only \['nope'\] names no run of preset 'mini'; expected a prefix of one"):
+        sweep.run_sweep(tmp_path, sweep.PRESETS["mini"], only=["nope"], jobs=1)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+# ------------------------------------------------------------------------------------------------ other arguments
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--steps", "0"], "argument --steps: expected an integer >= 1, got 0"),
+        (["--steps", "-3"], "argument --steps: expected an integer >= 1, got -3"),
+        (["--steps", "two"], "argument --steps: expected an integer >= 1, got 'two'"),
+        (["--seeds", "-1"], "argument --seeds: expected an integer >= 0, got -1"),
+        (["--seeds", "0.5"], "argument --seeds: expected an integer >= 0, got '0.5'"),
+        (["--seeds", "0", "1", "0"], "seeds and (variant, N) runs must be distinct, got seeds=[0, 1, 0]"),
+        (["--jobs", "0"], "argument --jobs: expected an integer >= 1, got 0"),
+        (["--timeout", "0"], "argument --timeout: expected a number of seconds > 0, got '0'"),
+        (["--timeout", "nan"], "argument --timeout: expected a number of seconds > 0, got 'nan'"),
+        (["--timeout", "-5"], "argument --timeout: expected a number of seconds > 0, got '-5'"),
+        (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
+        (["--precision", "fp9"], "argument --precision: invalid choice: 'fp9'"),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_work(tmp_path, no_work, capsys, args, expected):
+    code, err = _exit_code(["--out", str(tmp_path / "lab"), *args], capsys)
+    assert code == 2
+    assert expected in err
+    assert not (tmp_path / "lab").exists()
+
+
+def test_out_that_is_a_file_is_refused(tmp_path, no_work, capsys):
+    target = tmp_path / "lab.txt"
+    target.write_text("mine")
+    code, err = _exit_code(["--out", str(target)], capsys)
+    assert code == 2 and f"--out {target} is a file; expected a directory" in err
+    assert target.read_text() == "mine"
+
+
+def test_preset_refuses_negative_and_duplicate_seeds():
+    with pytest.raises(ValueError, match=r"seeds must be integers >= 0, got \[-1\]"):
+        sweep.Preset("x", runs=(("minirl", 1),), steps=1, seeds=(0, -1))
+    with pytest.raises(ValueError, match="must be distinct"):
+        sweep.Preset("x", runs=(("minirl", 1), ("minirl", 1)), steps=1)
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [("{not json", "line 2 is not JSON"), ("[1, 2]", "line 2 is a list; expected one JSON object per line")],
+)
+def test_unreadable_metrics_are_refused_not_overwritten(tmp_path, no_work, capsys, line, expected):
+    out = tmp_path / "lab"
+    out.mkdir()
+    text = json.dumps(_row("minirl", 1, 1)) + "\n" + line + "\n"
+    (out / "metrics.jsonl").write_text(text)
+    assert cli.main(["--out", str(out), "--report-only"], out=lambda _: None) == 1
+    assert expected in capsys.readouterr().err
+    assert cli.main(["--out", str(out), "--only", "minirl__N1"], out=lambda _: None) == 1  # refused, no run
+    assert expected in capsys.readouterr().err
+    with pytest.raises(ValueError, match=expected.split(";")[0]):
+        sweep.run_sweep(out, sweep.PRESETS["default"], jobs=1)
+    assert (out / "metrics.jsonl").read_text() == text
+
+
+def test_rows_without_a_run_identity_give_a_message_not_a_traceback(tmp_path, capsys):
+    out = tmp_path / "lab"
+    _write_rows(out / "metrics.jsonl", [{"step": 1}])
+    assert cli.main(["--out", str(out), "--report-only"], out=lambda _: None) == 1
+    assert "lacks ['variant', 'staleness', 'seed']" in capsys.readouterr().err
+
+
+def test_report_only_on_an_empty_out_names_the_file(tmp_path, capsys):
+    assert cli.main(["--out", str(tmp_path), "--report-only"], out=lambda _: None) == 1
+    assert f"no metrics to report: {tmp_path / 'metrics.jsonl'} is missing or empty" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ never truncate
+def _fake_prepare(tmp_path: Path, monkeypatch) -> None:
+    assets = Assets(*(tmp_path / n for n in ("root", "model", "train.parquet", "val.parquet")))
+    cs = ColdStartResult(tmp_path / "model", expected_reward=0.4, initial_expected_reward=0.1, steps=0, cached=True)
+    monkeypatch.setattr(sweep, "prepare", lambda out, p: (assets, cs))
+
+
+def _log_steps(run_dir: Path, steps: range) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        for s in steps:
+            f.write(json.dumps({"step": s, "data": {"critic/score/mean": 0.25}}) + "\n")
+
+
+def test_a_run_that_raises_midway_keeps_earlier_lines_and_merges_beside_old_ones(tmp_path, monkeypatch):
+    """Old rows stay, the finished run's rows are added, the broken run's logged lines stay on disk."""
+    out = tmp_path / "lab"
+    old = [_row("vespo", 4, 1), _row("vespo", 4, 2)]
+    before = _write_rows(out / "metrics.jsonl", old)
+    _fake_prepare(tmp_path, monkeypatch)
+    preset = sweep.Preset("t", runs=(("minirl", 1), ("minirl_r3", 4)), steps=2)
+
+    def fake_run_one(overrides, run_dir, steps, on_step, timeout_s):
+        if run_dir.name.startswith("minirl_r3"):
+            _log_steps(run_dir, range(1, 2))
+            raise RuntimeError("killed at step 2")
+        _log_steps(run_dir, range(1, steps + 1))
+        return 0, False
+
+    monkeypatch.setattr(sweep, "run_one", fake_run_one)
+    outcomes = sweep.run_sweep(out, preset, jobs=1)
+    assert [(o.spec.name, o.returncode, len(o.rows)) for o in outcomes] == [
+        ("minirl__N1__s0", 0, 2),
+        ("minirl_r3__N4__s0", -1, 1),
+    ]
+    text = (out / "metrics.jsonl").read_text()
+    assert text.startswith(before)  # nothing measured before was lost or rewritten
+    rows = sweep.load_rows(out)
+    assert [(r["variant"], r["step"]) for r in rows] == [
+        ("vespo", 1),
+        ("vespo", 2),
+        ("minirl", 1),
+        ("minirl", 2),
+        ("minirl_r3", 1),
+    ]
+    assert "killed at step 2" in (out / "runs" / "minirl_r3__N4__s0" / "error.txt").read_text()
+    assert sweep._count_lines(out / "runs" / "minirl_r3__N4__s0" / "metrics.jsonl") == 1
+
+
+def test_an_interrupted_sweep_merges_the_runs_that_finished(tmp_path, monkeypatch):
+    out = tmp_path / "lab"
+    before = _write_rows(out / "metrics.jsonl", [_row("vespo", 4, 1)])
+    _fake_prepare(tmp_path, monkeypatch)
+    preset = sweep.Preset("t", runs=(("minirl", 1), ("minirl_r3", 4)), steps=1)
+
+    def fake_run_one(overrides, run_dir, steps, on_step, timeout_s):
+        if run_dir.name.startswith("minirl_r3"):
+            raise KeyboardInterrupt
+        _log_steps(run_dir, range(1, 2))
+        return 0, False
+
+    monkeypatch.setattr(sweep, "run_one", fake_run_one)
+    with pytest.raises(KeyboardInterrupt):
+        sweep.run_sweep(out, preset, jobs=1)
+    assert (out / "metrics.jsonl").read_text().startswith(before)
+    assert [(r["variant"], r["step"]) for r in sweep.load_rows(out)] == [("vespo", 1), ("minirl", 1)]
+
+
+def test_merge_is_atomic_when_writing_fails(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    before = _write_rows(path, [_row("vespo", 4, 1)])
+    spec = sweep.RunSpec("minirl", 1, 0)
+    outcome = sweep.RunOutcome(spec, [_row("minirl", 1, 1)], 0, False, tmp_path / "log")
+
+    def disk_full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sweep.os, "fsync", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        sweep.merge_rows(path, [outcome])
+    assert path.read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no temporary file left behind
+
+
+def test_merge_replaces_a_remeasured_run_and_keeps_the_rest(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    _write_rows(path, [_row("vespo", 4, 1), _row("minirl", 1, 1, score=0.1), _row("minirl", 1, 2, score=0.1)])
+    remeasured = sweep.RunOutcome(
+        sweep.RunSpec("minirl", 1, 0), [_row("minirl", 1, 1, score=0.9)], 0, False, tmp_path / "log"
+    )
+    failed = sweep.RunOutcome(sweep.RunSpec("vespo", 4, 0), [], 1, False, tmp_path / "log")
+    merged = sweep.merge_rows(path, [remeasured, failed])
+    assert [(r["variant"], r["step"], r["critic/score/mean"]) for r in merged] == [
+        ("vespo", 1, 0.5),  # its new attempt logged nothing: the old rows stay
+        ("minirl", 1, 0.9),
+    ]
+    assert sweep.load_rows(tmp_path) == merged
+    unchanged = path.read_text()
+    sweep.merge_rows(path, [failed])  # nothing new: the file is left as it is
+    assert path.read_text() == unchanged
+
+
+def test_a_run_that_starts_over_sets_its_earlier_attempt_aside(tmp_path, monkeypatch):
+    """A finished run of other overrides (e.g. another --steps) is moved to superseded/, never deleted."""
+    import verl_stable.cpu.launch as launch
+
+    run_dir = tmp_path / "runs" / "minirl__N1__s0"
+    _log_steps(run_dir, range(1, 4))
+    (run_dir / "done.json").write_text(json.dumps({"digest": sweep.overrides_digest(["a=1"])}))
+    old_metrics = (run_dir / "metrics.jsonl").read_text()
+
+    def fake_main_ppo(overrides, workdir, *, timeout_s=None, **kwargs):
+        _log_steps(Path(workdir), range(1, 3))
+        return subprocess.CompletedProcess(["main_ppo"], 0)
+
+    monkeypatch.setattr(launch, "run_main_ppo", fake_main_ppo)
+    assert sweep.run_one(["a=2"], run_dir, 2) == (0, False)
+    assert sweep._count_lines(run_dir / "metrics.jsonl") == 2  # the new run's own rows, not appended to the old
+    (aside,) = (run_dir / "superseded").iterdir()
+    assert (aside / "metrics.jsonl").read_text() == old_metrics
+    assert json.loads((aside / "done.json").read_text())["digest"] == sweep.overrides_digest(["a=1"])
+
+
+def test_cli_reports_every_run_in_out_after_an_only_sweep(tmp_path, monkeypatch):
+    out = tmp_path / "lab"
+    _write_rows(out / "metrics.jsonl", [_row("vespo", 4, s) for s in (1, 2)])
+    _fake_prepare(tmp_path, monkeypatch)
+
+    def fake_run_one(overrides, run_dir, steps, on_step, timeout_s):
+        _log_steps(run_dir, range(1, steps + 1))
+        return 0, False
+
+    monkeypatch.setattr(sweep, "run_one", fake_run_one)
+    import verl_stable.lab.report as report
+
+    seen: list[dict] = []
+    monkeypatch.setattr(report, "write_report", lambda rows, d, h: seen.extend(rows) or Path(d) / "report.md")
+    argv = ["--out", str(out), "--only", "minirl_r3", "--steps", "2", "--jobs", "1"]
+    assert cli.main(argv, out=lambda _: None) == 0
+    assert [(r["variant"], r["step"]) for r in seen] == [("vespo", 1), ("vespo", 2), ("minirl_r3", 1), ("minirl_r3", 2)]
