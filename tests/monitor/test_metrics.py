@@ -168,7 +168,7 @@ def test_staleness_ratio_is_clamped_finite():
     assert float(stats["ratio_max"]) == pytest.approx(math.exp(M.STALENESS_LOG_RATIO_BOUND))
     with pytest.raises(ValueError, match="eps_low"):
         M.staleness_statistics(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), eps_low=1.0)
-    with pytest.raises(ValueError, match="floating point"):
+    with pytest.raises(TypeError, match="floating point"):
         M.staleness_statistics(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2), torch.ones(1, 2))
     with pytest.raises(ValueError, match=r"shape \(1, 3\)"):
         M.staleness_statistics(torch.zeros(1, 2), torch.zeros(1, 3), torch.ones(1, 2))
@@ -199,7 +199,7 @@ def test_routing_disagreement_naming():
     }
     with pytest.raises(ValueError, match="path segment"):
         M.routing_disagreement_metrics(d, "a/b")
-    with pytest.raises(ValueError, match="neither"):
+    with pytest.raises(TypeError, match="neither"):
         M.routing_disagreement_metrics({"per_layer": object()}, "x")
 
 
@@ -235,11 +235,11 @@ def test_bad_inputs_raise_clear_errors():
         M.entropy_metrics(LOGP_MU, MASK * 2)
     with pytest.raises(ValueError, match="tau"):
         M.train_inference_metrics(LOGP_MU, LOGP_OLD, MASK, taus=(0.5,))
-    with pytest.raises(ValueError, match="floating point"):
+    with pytest.raises(TypeError, match="floating point"):
         M.entropy_metrics(MASK, MASK)
     with pytest.raises(ValueError, match=r"\[0, 4\)"):
         M.expert_load_balance(torch.tensor([[[0, 4]]]), num_experts=4)
     with pytest.raises(ValueError, match="tokens, layers, top_k"):
         M.expert_load_balance(torch.zeros(3, 2, dtype=torch.long))
-    with pytest.raises(ValueError, match="integer"):
+    with pytest.raises(TypeError, match="integer"):
         M.expert_load_balance(torch.zeros(3, 2, 1))

@@ -1,1 +1,2 @@
-"""Stability metrics (pure functions) and the guard that turns them into verdicts."""
+"""Stability metrics (pure functions, imported from :mod:`verl_stable.monitor.metrics`) and the guard that turns them
+into verdicts (:mod:`verl_stable.monitor.guard`). Symbols: ``docs/notation.md``."""
