@@ -91,8 +91,8 @@ def test_nan_loss_or_inf_grad_norm_fires():
     assert math.isnan(fired[0].values["actor/pg_loss"])
     inf = Guard().observe(3, {"actor/grad_norm": float("inf"), "actor/pg_loss": 0.2})
     assert [(v.rule, list(v.values)) for v in inf] == [("non_finite", ["actor/grad_norm"])]
-    # a NaN KL is the non-finite rule's job only if listed; the threshold rule ignores it
-    assert Guard().observe(1, {"stable/train_inf/kl_k3": float("nan")}) == []
+    # a NaN KL fires the rule that watches it (test_guard_untrusted.py has the cases)
+    assert [v.rule for v in Guard().observe(1, {"stable/train_inf/kl_k3": float("nan")})] == ["train_inference_kl"]
 
 
 def test_fallback_metric_and_missing_metrics_are_reported():
@@ -131,13 +131,17 @@ def test_config_overrides_disables_and_adds_rules():
         ({"rules": {"new": {"threshold": 1.0}}}, "needs 'condition'"),
         ({"rules": {"new": {"condition": "above", "metric": "x"}}}, "finite threshold"),
         ({"rules": {"new": {"condition": "sideways", "metric": "x", "threshold": 1}}}, "condition must be"),
-        ({"rules": {"new": "above"}}, "mapping or null"),
         ({"rules": {"entropy_collapse": {"slope_tolerance": -1}}}, "slope_tolerance"),
     ],
 )
 def test_bad_config_raises_clear_errors(config, match):
     with pytest.raises(ValueError, match=match):
         Guard.from_config(config)
+
+
+def test_a_rule_that_is_not_a_mapping_raises_type_error():
+    with pytest.raises(TypeError, match=r"guard rule 'new' must be a mapping or null, got str 'above'"):
+        Guard.from_config({"rules": {"new": "above"}})
 
 
 def test_guard_tripped_survives_pickling_with_its_verdicts():

@@ -10,17 +10,24 @@ A :class:`Guard` consumes one flat ``{name: float}`` dict per training step (ver
 
 Default rules (the seed's checklist): token entropy below 0.25 and still falling over a window of steps;
 KL(mu || pi_old) above 0.01; a non-finite loss or gradient norm. Each is configurable from a plain dict, as it
-comes from the recipe YAML (:meth:`Guard.from_config`). This module does not import verl.
+comes from the recipe YAML (:meth:`Guard.from_config`).
+
+A watched metric that is NaN, infinite or not a number at all fires its rule, whatever the condition: an
+overflowing KL or a NaN entropy is the collapse the guard exists for, not a value to skip. Malformed rules and
+configuration raise when the guard is built (``TypeError`` for a wrong type, ``ValueError`` for a wrong value, each
+naming the rule), never at the first trip. This module does not import verl.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from verl_stable.monitor.common import check_bool, check_int, check_real, type_name
 from verl_stable.monitor.metrics import window_slope
 
 Action = Literal["warn", "stop", "stop_checkpoint"]
@@ -36,13 +43,16 @@ class Rule:
     Attributes:
         name: identifier used in verdicts, metrics (``stable/guard/{name}``) and configuration.
         condition: ``above``: value > threshold; ``below``: value < threshold; ``below_and_falling``: value <
-            threshold and the least-squares slope of the last ``window`` observed values is below
-            ``-slope_tolerance`` (evaluated once ``window`` values were observed); ``non_finite``: any listed
-            metric is NaN or infinite.
-        metrics: metric names. For threshold conditions the first name present in a step's metrics is used
-            (a preference order with fallbacks); for ``non_finite`` every present name is checked.
-        threshold: the threshold (required except for ``non_finite``).
-        window: number of most recent observations the slope is fitted on (``below_and_falling``; >= 2).
+            threshold and the least-squares slope per training step of the last ``window`` observed values of
+            that metric is below ``-slope_tolerance`` (evaluated once ``window`` values were observed);
+            ``non_finite``: any listed metric is NaN or infinite. Under every condition, a watched value that is
+            NaN, infinite or not a number fires the rule.
+        metrics: metric names (a str or a sequence of str, stored as a tuple). For threshold conditions the first
+            name present in a step's metrics is used (a preference order with fallbacks), each name with its own
+            slope window; for ``non_finite`` every present name is checked.
+        threshold: the threshold, a finite real number (required except for ``non_finite``, which ignores it).
+        window: number of most recent observations the slope is fitted on (an int; >= 2 for
+            ``below_and_falling``, ignored by the other conditions).
         action: ``warn``, ``stop`` or ``stop_checkpoint``.
         slope_tolerance: per-step decline the slope must exceed to count as falling (``below_and_falling``);
             raise it for tasks whose healthy entropy is legitimately low and noisy.
@@ -57,21 +67,44 @@ class Rule:
     slope_tolerance: float = 0.0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise TypeError(f"rule name must be a str, got {type_name(self.name)} {self.name!r}")
         if not self.name or "/" in self.name:
             raise ValueError(f"rule name must be a non-empty path segment without '/', got {self.name!r}")
+        where = f"rule {self.name!r}"
         if self.condition not in CONDITIONS:
-            raise ValueError(f"rule {self.name!r}: condition must be one of {CONDITIONS}, got {self.condition!r}")
+            raise ValueError(f"{where}: condition must be one of {CONDITIONS}, got {self.condition!r}")
         if self.action not in ACTIONS:
-            raise ValueError(f"rule {self.name!r}: action must be one of {ACTIONS}, got {self.action!r}")
-        if isinstance(self.metrics, str) or not self.metrics or not all(isinstance(m, str) for m in self.metrics):
-            raise ValueError(f"rule {self.name!r}: metrics must be a non-empty sequence of names, got {self.metrics!r}")
-        if self.condition != "non_finite":
-            if self.threshold is None or not math.isfinite(float(self.threshold)):
-                raise ValueError(f"rule {self.name!r}: condition {self.condition!r} needs a finite threshold")
-        if self.condition == "below_and_falling" and (not isinstance(self.window, int) or self.window < 2):
-            raise ValueError(f"rule {self.name!r}: below_and_falling needs an integer window >= 2, got {self.window!r}")
-        if not (math.isfinite(float(self.slope_tolerance)) and self.slope_tolerance >= 0):
-            raise ValueError(f"rule {self.name!r}: slope_tolerance must be >= 0, got {self.slope_tolerance!r}")
+            raise ValueError(f"{where}: action must be one of {ACTIONS}, got {self.action!r}")
+        # frozen: normalised values are written through object.__setattr__
+        object.__setattr__(self, "metrics", _metric_names(where, self.metrics))
+        if self.threshold is not None:
+            object.__setattr__(self, "threshold", check_real(f"{where}: threshold", self.threshold))
+        if self.condition != "non_finite" and (self.threshold is None or not math.isfinite(self.threshold)):
+            raise ValueError(f"{where}: condition {self.condition!r} needs a finite threshold, got {self.threshold}")
+        object.__setattr__(self, "window", check_int(f"{where}: window", self.window))
+        if self.condition == "below_and_falling" and self.window < 2:
+            raise ValueError(f"{where}: below_and_falling needs an integer window >= 2, got {self.window!r}")
+        if self.window < 1:
+            raise ValueError(f"{where}: window must be >= 1, got {self.window!r}")
+        tolerance = check_real(f"{where}: slope_tolerance", self.slope_tolerance)
+        if not (math.isfinite(tolerance) and tolerance >= 0):
+            raise ValueError(f"{where}: slope_tolerance must be a finite number >= 0, got {tolerance!r}")
+        object.__setattr__(self, "slope_tolerance", tolerance)
+
+
+def _metric_names(where: str, metrics: object) -> tuple[str, ...]:
+    """``metrics`` as a non-empty tuple of non-empty names; a mapping or set (no order of preference) raises."""
+    if isinstance(metrics, str):
+        metrics = (metrics,)
+    if not isinstance(metrics, Sequence) or isinstance(metrics, bytes):
+        raise TypeError(f"{where}: metrics must be a metric name or a list of names, got {type_name(metrics)}")
+    bad = [m for m in metrics if not isinstance(m, str)]
+    if bad:
+        raise TypeError(f"{where}: metrics must be metric names (str), got {type_name(bad[0])} {bad[0]!r}")
+    if not metrics or not all(metrics):
+        raise ValueError(f"{where}: metrics must be a non-empty sequence of non-empty names, got {list(metrics)!r}")
+    return tuple(metrics)
 
 
 @dataclass(frozen=True)
@@ -94,6 +127,10 @@ class Verdict:
     message: str
     last_good_checkpoint: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.action not in ACTIONS:
+            raise ValueError(f"verdict of rule {self.rule!r}: action must be one of {ACTIONS}, got {self.action!r}")
+
     @property
     def stops(self) -> bool:
         """Whether the verdict asks to stop the run."""
@@ -114,6 +151,9 @@ class GuardTripped(RuntimeError):
         self.verdicts = tuple(verdicts)
         if not self.verdicts:
             raise ValueError("GuardTripped needs at least one verdict")
+        for verdict in self.verdicts:
+            if not isinstance(verdict, Verdict):
+                raise TypeError(f"GuardTripped needs Verdict instances, got {type_name(verdict)}")
         step = self.verdicts[0].step
         reasons = "; ".join(f"[{v.rule}] {v.describe()}" for v in self.verdicts)
         super().__init__(f"verl-stable guard stopped the run at step {step}: {reasons}")
@@ -150,10 +190,30 @@ _RULE_KEYS = {"condition", "metrics", "metric", "threshold", "window", "action",
 
 
 def _as_float(value: Any) -> float | None:
+    """A logged metric value as a float, ``+-inf`` for an int beyond float range, ``None`` if it is no number.
+
+    Strings are not numbers here even when they parse as one: verl logs numbers, so a string is a broken value.
+    """
+    if isinstance(value, (str, bytes)):
+        return None
     try:
         return float(value)
-    except (TypeError, ValueError):
+    except OverflowError:  # a Python int beyond float64
+        if isinstance(value, numbers.Integral):
+            return math.inf if value > 0 else -math.inf
         return None
+    except (TypeError, ValueError, RuntimeError):  # None, containers, tensors of several elements
+        return None
+
+
+def _threshold(where: str, value: Any) -> Any:
+    """A numeric string (PyYAML reads ``1e-2`` as one) as a float; anything else is left to :class:`Rule`."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{where}: threshold must be a number, got the string {value!r}") from None
 
 
 @dataclass
@@ -169,17 +229,21 @@ class Guard:
     rules: tuple[Rule, ...] = DEFAULT_RULES
     flagged_steps: set[int] = field(default_factory=set)
     missing: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    _history: dict[str, deque] = field(default_factory=dict, repr=False)
+    # rule name -> metric name -> recent (step, value): a fallback metric (verl's actor/entropy) has its own scale
+    _history: dict[str, dict[str, deque]] = field(default_factory=dict, repr=False)
     _seen: set[str] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
         self.rules = tuple(self.rules)
+        for rule in self.rules:
+            if not isinstance(rule, Rule):
+                raise TypeError(f"guard rules must be Rule instances, got {type_name(rule)} {rule!r}")
         names = [r.name for r in self.rules]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"duplicate rule names: {duplicates}")
         for rule in self.rules:
-            self._history[rule.name] = deque(maxlen=max(rule.window, 1))
+            self._history[rule.name] = {}
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any] | None) -> Guard:
@@ -187,51 +251,73 @@ class Guard:
 
         Shape::
 
+            enable: true          # false: a guard with no rule (the rest is still validated)
             rules:
               entropy_collapse: {threshold: 0.2, window: 8, action: warn}   # override fields of a default
               train_inference_kl: {enabled: false}                           # or null: drop a default rule
               f5: {condition: above, metric: stable/train_inf/extreme_frac_tau5, threshold: 0.01}  # a new rule
             use_defaults: true    # false starts from no rule
 
-        ``metric`` (one name) and ``metrics`` (a list) are synonyms. Unknown keys raise ``ValueError``.
+        ``metric`` (one name) and ``metrics`` (a list) are synonyms. ``enable``, ``use_defaults`` and ``enabled``
+        must be booleans (the string ``"false"`` raises rather than reading as true); a numeric string threshold
+        such as ``"1e-2"`` (PyYAML's reading of ``1e-2``) is converted. Unknown keys and bad values raise
+        ``ValueError``, values of the wrong type ``TypeError``, naming the rule.
         """
-        config = dict(config or {})
+        if config is None:
+            config = {}
+        if not isinstance(config, Mapping):
+            raise TypeError(f"guard config must be a mapping or None, got {type_name(config)}")
+        config = dict(config)
         unknown = set(config) - {"rules", "use_defaults", "enable"}
         if unknown:
-            raise ValueError(f"unknown guard config keys: {sorted(unknown)}")
-        rules = {r.name: r for r in DEFAULT_RULES} if config.get("use_defaults", True) else {}
-        for name, spec in dict(config.get("rules") or {}).items():
+            allowed = "enable, rules, use_defaults"
+            raise ValueError(f"unknown guard config keys: {sorted(unknown, key=str)} (allowed: {allowed})")
+        enable = check_bool("guard config: enable", config.get("enable", True))
+        use_defaults = check_bool("guard config: use_defaults", config.get("use_defaults", True))
+        specs = config.get("rules") or {}
+        if not isinstance(specs, Mapping):
+            raise TypeError(f"guard rules must be a mapping of rule name to settings, got {type_name(specs)}")
+        rules = {r.name: r for r in DEFAULT_RULES} if use_defaults else {}
+        for name, spec in specs.items():
+            if not isinstance(name, str):
+                raise TypeError(f"guard rule name must be a str, got {type_name(name)} {name!r}")
+            where = f"guard rule {name!r}"
             if spec is None:
                 rules.pop(name, None)
                 continue
             if not isinstance(spec, Mapping):
-                raise ValueError(f"guard rule {name!r} must be a mapping or null, got {spec!r}")
+                raise TypeError(f"{where} must be a mapping or null, got {type_name(spec)} {spec!r}")
             spec = dict(spec)
             bad = set(spec) - _RULE_KEYS
             if bad:
-                raise ValueError(f"guard rule {name!r}: unknown keys {sorted(bad)} (allowed: {sorted(_RULE_KEYS)})")
-            if not spec.pop("enabled", True):
+                raise ValueError(f"{where}: unknown keys {sorted(bad, key=str)} (allowed: {sorted(_RULE_KEYS)})")
+            if not check_bool(f"{where}: enabled", spec.pop("enabled", True)):
                 rules.pop(name, None)
                 continue
             if "metric" in spec:
                 if "metrics" in spec:
-                    raise ValueError(f"guard rule {name!r}: give either 'metric' or 'metrics', not both")
-                spec["metrics"] = [spec.pop("metric")]
-            if "metrics" in spec:
-                metrics = spec["metrics"]
-                spec["metrics"] = (metrics,) if isinstance(metrics, str) else tuple(metrics)
-            if "threshold" in spec and spec["threshold"] is not None:
-                spec["threshold"] = float(spec["threshold"])
+                    raise ValueError(f"{where}: give either 'metric' or 'metrics', not both")
+                spec["metrics"] = spec.pop("metric")
+            if "threshold" in spec:
+                spec["threshold"] = _threshold(f"rule {name!r}", spec["threshold"])
             if name in rules:
                 rules[name] = replace(rules[name], **spec)
             else:
                 if "condition" not in spec or "metrics" not in spec:
-                    raise ValueError(f"new guard rule {name!r} needs 'condition' and 'metric(s)'")
+                    raise ValueError(f"new {where} needs 'condition' and 'metric(s)'")
                 rules[name] = Rule(name=name, **spec)
-        return cls(rules=tuple(rules.values()))
+        return cls(rules=tuple(rules.values()) if enable else ())
 
     def observe(self, step: int, metrics: Mapping[str, Any]) -> list[Verdict]:
-        """Evaluate every rule on one step's metrics and return the verdicts of the rules that fired."""
+        """Evaluate every rule on one step's metrics and return the verdicts of the rules that fired.
+
+        Args:
+            step: the training step (an int) the metrics belong to.
+            metrics: metric name -> value, as logged for that step.
+        """
+        step = check_int("step", step)
+        if not isinstance(metrics, Mapping):
+            raise TypeError(f"metrics must be a mapping of name to value, got {type_name(metrics)}")
         verdicts = []
         for rule in self.rules:
             verdict = self._evaluate(rule, step, metrics)
@@ -265,16 +351,19 @@ class Guard:
 
         if rule.condition == "non_finite":
             values = {m: _as_float(metrics[m]) for m in present}
-            bad = {m: v for m, v in values.items() if v is None or not math.isfinite(v)}
+            bad = {m: math.nan if v is None else v for m, v in values.items() if v is None or not math.isfinite(v)}
             if not bad:
                 return None
-            names = ", ".join(f"{m}={v}" for m, v in bad.items())
+            names = ", ".join(f"{m}={metrics[m]!r}" if values[m] is None else f"{m}={values[m]}" for m in bad)
             return Verdict(rule.name, rule.action, step, bad, f"step {step}: non-finite {names}")
 
         key = present[0]
         value = _as_float(metrics[key])
         if value is None or not math.isfinite(value):
-            return None  # a non-finite value is the non_finite rule's business, not a threshold's
+            # an overflowed KL or a NaN entropy is the failure itself: it fires whatever the condition
+            shown = metrics[key] if value is None else value
+            msg = f"step {step}: {key}={shown!r} is not a finite number"
+            return Verdict(rule.name, rule.action, step, {key: math.nan if value is None else value}, msg)
         if rule.condition == "above":
             if value > rule.threshold:
                 msg = f"step {step}: {key}={value:.6g} above {rule.threshold:g}"
@@ -286,16 +375,17 @@ class Guard:
                 return Verdict(rule.name, rule.action, step, {key: value}, msg)
             return None
 
-        history = self._history[rule.name]
-        history.append(value)
+        history = self._history[rule.name].setdefault(key, deque(maxlen=rule.window))
+        history.append((step, value))
         if len(history) < rule.window:
             return None
-        slope = window_slope(list(history))
+        steps, values = zip(*history, strict=True)
+        slope = window_slope(values, steps=steps)
         # the floor keeps a numerically flat window (slope ~ -1e-18) from counting as falling
         if value < rule.threshold and slope is not None and slope < -max(rule.slope_tolerance, 1e-12):
             msg = (
                 f"step {step}: {key}={value:.6g} below {rule.threshold:g} and falling "
-                f"(slope {slope:.3g}/step over the last {len(history)} steps)"
+                f"(slope {slope:.3g}/step over the last {len(history)} observations, steps {steps[0]}-{steps[-1]})"
             )
             return Verdict(rule.name, rule.action, step, {key: value, "slope": slope}, msg)
         return None
@@ -312,6 +402,11 @@ def last_good_checkpoint_step(saved_steps: Iterable[int], trip_step: int, flagge
     Returns:
         The largest good saved step, or ``None``.
     """
+    saved = list(saved_steps)
+    for c in saved:
+        if isinstance(c, bool) or not isinstance(c, numbers.Integral):
+            raise TypeError(f"saved_steps must hold ints, got {type_name(c)} {c!r}")
+    trip_step = check_int("trip_step", trip_step)
     flagged = set(flagged_steps)
-    good = [c for c in saved_steps if c + 1 < trip_step and c not in flagged and c + 1 not in flagged]
+    good = [c for c in saved if c + 1 < trip_step and c not in flagged and c + 1 not in flagged]
     return max(good) if good else None
