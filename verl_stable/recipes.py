@@ -27,9 +27,11 @@ KL term, entropy computed for the monitor, and the monitored trainer ``stable_sy
 
 This module is the single source of truth for that table: :func:`regime_mismatches` checks a composed config against
 it, :func:`verl_configs` converts a config to verl's dataclasses exactly as verl's workers do (unknown keys raise),
-:func:`unknown_recipe_keys` finds keys in a recipe file that verl's config does not have, and :func:`cpu_overrides`
-turns a regime into a run of verl's trainer on the CPU runtime with the same N, loss and replay. :func:`main` is the
-``verl-stable recipe`` command.
+:func:`unknown_recipe_keys` finds keys in a recipe file that verl's config does not have, :func:`unknown_override_keys`
+the keys that ``+key=value`` overrides add without verl or verl-stable defining them, and :func:`cpu_overrides` turns a
+regime into a run of verl's trainer on the CPU runtime with the same N, loss and replay. :func:`main` is the
+``verl-stable recipe`` command; it checks names, numbers and overrides (:func:`check_override_syntax`,
+:func:`preflight`) before it composes, builds or runs anything, and answers a bad one with exit code 2 and a message.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import argparse
 import functools
 import os
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -165,7 +167,11 @@ def list_recipes() -> list[tuple[str, str, Path]]:
 
 
 def parse_recipe_name(name: str) -> tuple[str, str]:
-    """``"fsdp/minirl_n2_r2"`` (or just ``"minirl_n2_r2"``, meaning FSDP) -> ``("fsdp", "minirl_n2_r2")``."""
+    """``"fsdp/minirl_n2_r2"`` (or just ``"minirl_n2_r2"``, meaning FSDP) -> ``("fsdp", "minirl_n2_r2")``.
+
+    Raises:
+        ValueError: An unknown backend or regime; the message lists the known ones.
+    """
     backend, _, regime = name.rpartition("/")
     backend = backend or "fsdp"
     regime = regime.removesuffix(".yaml")
@@ -241,6 +247,29 @@ EXTENSION_PREFIXES: tuple[str, ...] = (
     "actor_rollout_ref.actor.fsdp_config.router_replay",  # verl's EngineConfig.router_replay (absent from fsdp.yaml)
 )
 
+# verl-stable's sections that nothing converts as a whole: only these option names exist below them.
+HF_OPTIONS_SECTION = "actor_rollout_ref.rollout.engine_kwargs.hf"
+ROUTING_OPTIONS_SECTION = "verl_stable.routing"
+
+# Mappings verl hands on whole as keyword arguments (to ``ray.init``, to a model config): any key may go below them.
+# Mappings that verl's YAML leaves empty (``override_config: {}``, ``engine_kwargs.vllm: {}`` ...) count as open too.
+OPEN_MAPPINGS: tuple[str, ...] = (
+    "ray_kwargs.ray_init",
+    "actor_rollout_ref.actor.megatron.override_transformer_config",
+    "actor_rollout_ref.ref.megatron.override_transformer_config",
+    "critic.megatron.override_transformer_config",
+)
+
+
+def _section_fields(section: str) -> frozenset[str]:
+    import dataclasses
+
+    if section == HF_OPTIONS_SECTION:
+        from verl_stable.cpu.hf_rollout import HFOptions as options
+    else:
+        from verl_stable.integration.rollout import RolloutRoutingOptions as options
+    return frozenset(f.name for f in dataclasses.fields(options))
+
 
 def _leaf_paths(node: Any, prefix: str = "") -> Iterator[str]:
     if isinstance(node, Mapping) and node:
@@ -250,39 +279,63 @@ def _leaf_paths(node: Any, prefix: str = "") -> Iterator[str]:
         yield prefix
 
 
-def _has_path(cfg: Any, path: str) -> bool:
-    node = cfg
-    for part in path.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return False
-        node = node[part]
-    return True
-
-
-def _dataclass_field_of_parent(cfg: Any, path: str) -> bool:
-    """Whether ``path`` names a field of the dataclass that its parent node declares with ``_target_``.
-
-    verl's YAML leaves some dataclass fields out (``rollout.agent.agent_loop_manager_class`` of ``AgentLoopConfig``);
-    verl converts such a node with ``omega_conf_to_dataclass``, which accepts every field of the class.
-    """
+def _target_fields(node: Mapping) -> frozenset[str] | None:
+    """Field names of the dataclass a config node converts to (its ``_target_``); None when it has none."""
     import dataclasses
     import importlib
 
-    parent_path, _, name = path.rpartition(".")
-    node = cfg
-    for part in parent_path.split(".") if parent_path else ():
-        if not isinstance(node, Mapping) or part not in node:
-            return False
-        node = node[part]
-    target = node.get("_target_") if isinstance(node, Mapping) else None
+    target = node.get("_target_")
     if not isinstance(target, str) or "." not in target:
-        return False
+        return None
     module, _, cls_name = target.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module), cls_name)
     except (ImportError, AttributeError):
-        return False
-    return dataclasses.is_dataclass(cls) and name in {f.name for f in dataclasses.fields(cls)}
+        return None
+    return frozenset(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else None
+
+
+def is_known_key(base: Mapping, key: str) -> bool:
+    """Whether a dotted config key is one that verl or verl-stable defines.
+
+    Known: a key of verl's composed config ``base``; a key below an extension section whose dataclass checks it on
+    conversion (:data:`EXTENSION_PREFIXES`); an option of verl-stable's ``hf`` backend or rollout-routing options; a
+    key below a mapping verl passes on whole (:data:`OPEN_MAPPINGS`, or one its YAML leaves empty or null); a field
+    of the dataclass that the nearest node of ``base`` converts to (``_target_``), with anything below it.
+    """
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(base, DictConfig):
+        base = OmegaConf.to_container(base, resolve=False)  # plain values: no interpolation or ``???`` on access
+    if any(key == p or key.startswith(p + ".") for p in (*EXTENSION_PREFIXES, *OPEN_MAPPINGS)):
+        return True
+    for section in (HF_OPTIONS_SECTION, ROUTING_OPTIONS_SECTION):
+        if key.startswith(section + "."):
+            return key[len(section) + 1 :].split(".", 1)[0] in _section_fields(section)
+        if key == section:
+            return True
+    node: Any = base
+    for part in key.split("."):
+        if node is None:
+            return True  # a null default: the value (mapping or not) is the user's
+        if not isinstance(node, Mapping):
+            return False  # below a scalar of verl's config
+        if part in node:
+            node = node[part]
+            continue
+        if not node:
+            return True
+        fields = _target_fields(node)
+        return fields is not None and part in fields
+    return True
+
+
+def config_keys(cfg: Any) -> set[str]:
+    """Every dotted leaf key of a config (an empty mapping counts as a leaf), interpolations unresolved."""
+    from omegaconf import DictConfig, OmegaConf
+
+    container = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg
+    return set(_leaf_paths(container))
 
 
 def recipe_keys(path: str | os.PathLike) -> list[str]:
@@ -331,13 +384,111 @@ def unknown_recipe_keys(path: str | os.PathLike, base: Any = None) -> list[str]:
     elif isinstance(base, DictConfig):
         # as a plain container, so that keys holding verl's MISSING marker (``rollout.name: ???``) count as present
         base = OmegaConf.to_container(base, resolve=False)
-    unknown = []
-    for key in recipe_keys(path):
-        if any(key == p or key.startswith(p + ".") for p in EXTENSION_PREFIXES):
-            continue
-        if not _has_path(base, key) and not _dataclass_field_of_parent(base, key):
-            unknown.append(key)
-    return unknown
+    return [key for key in recipe_keys(path) if not is_known_key(base, key)]
+
+
+def unknown_override_keys(backend: str, regime: str, overrides: Sequence[str]) -> list[str]:
+    """Keys that ``overrides`` add to the composed recipe although neither verl nor verl-stable defines them.
+
+    Hydra's ``+key=value`` adds any key silently, and sections verl reads with ``.get`` (``data``, ``trainer`` ...)
+    ignore it: ``+data.train_batchsize=512`` would leave the batch size as it was. Every key the composed config
+    gains over the recipe alone must pass :func:`is_known_key`.
+
+    Raises:
+        ValueError: An override that is not ``key=value`` (see :func:`check_override_syntax`).
+        hydra.errors.HydraException: The overrides do not compose.
+    """
+    check_override_syntax(overrides)
+    return _unknown_gained(compose_recipe(backend, regime), compose_recipe(backend, regime, overrides), backend)
+
+
+def _unknown_gained(before: Any, after: Any, backend: str) -> list[str]:
+    base = _base_container(backend)
+    return sorted(k for k in config_keys(after) - config_keys(before) if not is_known_key(base, k))
+
+
+def option_problems(cfg: Any) -> list[str]:
+    """What verl-stable's own option sections of a composed config would reject at run time (empty when fine).
+
+    ``verl_stable.routing`` is read by the rollout-routing manager and ``rollout.engine_kwargs.hf`` by the ``hf``
+    backend (when ``rollout.name`` is ``hf``), both long after the run has started.
+    """
+    from omegaconf import OmegaConf
+
+    from verl_stable.integration.rollout import RolloutRoutingOptions
+
+    problems = []
+    try:
+        RolloutRoutingOptions.from_config(cfg)
+    except (ValueError, TypeError) as exc:
+        problems.append(str(exc))
+    if _select(cfg, "actor_rollout_ref.rollout.name") == "hf":
+        from verl_stable.cpu.hf_rollout import resolve_options
+
+        rollout = OmegaConf.to_container(cfg.actor_rollout_ref.rollout, resolve=True)
+        try:
+            resolve_options(rollout)
+        except (ValueError, TypeError) as exc:
+            problems.append(f"hf rollout backend: {exc}")
+    return problems
+
+
+def preflight(overrides: Sequence[str], recipe: str | os.PathLike | None = None, backend: str = "fsdp") -> Any:
+    """Check a ``main_ppo`` argument list before a run starts; returns the composed config.
+
+    Checks, in order: every override's syntax (:func:`check_override_syntax`); that the overrides compose on the
+    recipe file (or on verl's own ``backend`` trainer config when ``recipe`` is None), as ``main_ppo`` would compose
+    them; that every key the result has beyond verl's config is one verl or verl-stable defines
+    (:func:`is_known_key`); verl-stable's own options (:func:`option_problems`); that verl's workers can convert it
+    to their dataclasses (:func:`verl_configs`, without ``validate_config``, which ``main_ppo`` runs itself).
+
+    Raises:
+        ValueError: The first check that fails, with a message naming what was expected.
+    """
+    check_override_syntax(overrides)
+    on = f"recipe {recipe}" if recipe is not None else f"verl's {BACKENDS[backend]}"
+    try:
+        cfg = compose_file(recipe, overrides) if recipe is not None else _compose_base(backend, overrides)
+    except Exception as exc:  # noqa: BLE001 - hydra and omegaconf raise many types; each is a refusal here
+        raise ValueError(f"the overrides do not compose on {on}: {type(exc).__name__}: {exc}") from None
+    unknown = _unknown_gained(_base_container(backend), cfg, backend)
+    if unknown:
+        raise ValueError(
+            f"unknown config key(s) {unknown}: expected keys of verl's {BACKENDS[backend]} or of verl-stable "
+            "(a typo behind '+'?)"
+        )
+    problems = option_problems(cfg)
+    if problems:
+        raise ValueError("; ".join(problems))
+    try:
+        verl_configs(cfg, validate=False)
+    except Exception as exc:  # noqa: BLE001 - whatever verl's conversion raises is the refusal
+        raise ValueError(f"verl rejects the config: {type(exc).__name__}: {exc}") from None
+    return cfg
+
+
+def check_override_syntax(overrides: Sequence[str]) -> None:
+    """Parse every override with hydra's own grammar, so a malformed one is refused before anything is composed.
+
+    Raises:
+        ValueError: An override that is not ``key=value``, ``+key=value``, ``++key=value`` or ``~key[=value]``; the
+            message names it and hydra's reason.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    expected = "expected key=value, +key=value, ++key=value or ~key"
+    for item in overrides:
+        if not isinstance(item, str):
+            raise ValueError(f"override {item!r} is a {type(item).__name__}; {expected}")
+        try:
+            parsed = parser.parse_override(item)
+        except HydraException as exc:
+            reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            raise ValueError(f"override {item!r} is malformed ({reason}); {expected}") from None
+        if not parsed.key_or_group:
+            raise ValueError(f"override {item!r} has no key; {expected}")
 
 
 # ------------------------------------------------------------------------------------------------ converting
@@ -547,12 +698,22 @@ def _cmd_check(name: str, overrides: Sequence[str], out) -> int:
     backend, regime = parse_recipe_name(name)
     path = recipe_path(backend, regime)
     problems = [f"unknown key {k} (not in verl's {BACKENDS[backend]})" for k in unknown_recipe_keys(path)]
-    cfg = compose_recipe(backend, regime, overrides)
-    problems += regime_mismatches(cfg, regime)
     try:
-        verl_configs(cfg, validate=True)
-    except Exception as exc:  # noqa: BLE001 - any failure of verl's conversion is the answer
-        problems.append(f"verl rejects the config: {type(exc).__name__}: {exc}")
+        cfg = compose_recipe(backend, regime, overrides)
+    except Exception as exc:  # noqa: BLE001 - hydra's refusal (a key not in verl's config ...) is the answer
+        cfg = None
+        problems.append(f"the overrides do not compose on the recipe: {type(exc).__name__}: {exc}")
+    if cfg is not None:
+        problems += [
+            f"unknown key {k} (added by an override; expected a key of verl's {BACKENDS[backend]} or of verl-stable)"
+            for k in _unknown_gained(compose_recipe(backend, regime), cfg, backend)
+        ]
+        problems += regime_mismatches(cfg, regime)
+        problems += option_problems(cfg)
+        try:
+            verl_configs(cfg, validate=True)
+        except Exception as exc:  # noqa: BLE001 - any failure of verl's conversion is the answer
+            problems.append(f"verl rejects the config: {type(exc).__name__}: {exc}")
     for p in problems:
         out(f"  - {p}")
     out(f"{backend}/{regime}: " + ("OK" if not problems else f"{len(problems)} problem(s)"))
@@ -564,26 +725,45 @@ def run_on_cpu(
 ) -> int:
     """Run ``recipes/fsdp/<regime>.yaml`` with verl's ``main_ppo`` on the CPU runtime (tiny MoE, toy task).
 
-    Builds the tiny assets under ``workdir/assets`` if missing; the log is ``workdir/run/main_ppo.log`` and the
-    per-step metrics ``workdir/run/metrics.jsonl``. Returns ``main_ppo``'s exit code.
+    The arguments are checked first (:func:`preflight`); then the tiny assets are built under ``workdir/assets`` if
+    missing; the log is ``workdir/run/main_ppo.log`` and the per-step metrics ``workdir/run/metrics.jsonl``. Returns
+    ``main_ppo``'s exit code.
+
+    Raises:
+        ValueError: An unknown regime or task, ``steps`` below 1, a ``workdir`` that is a file, or overrides that
+            :func:`preflight` refuses; raised before anything is built or started.
     """
     from verl_stable.cpu import launch
-    from verl_stable.lab.assets import AssetSpec, ensure_assets
+    from verl_stable.lab import tasks
+    from verl_stable.lab.assets import AssetSpec, asset_paths, ensure_assets
 
+    _check_backend_regime("fsdp", regime)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    if task not in tasks.TASKS:
+        raise ValueError(f"unknown task {task!r}; expected one of {tasks.TASKS}")
     workdir = Path(workdir).resolve()
-    assets = ensure_assets(workdir / "assets", AssetSpec(task=task))
+    if workdir.exists() and not workdir.is_dir():
+        raise ValueError(f"workdir {workdir} is a file; expected a directory (created if missing)")
     path = recipe_path("fsdp", regime)
-    args = [f"--config-path={path.parent}", f"--config-name={path.stem}"]
-    args += cpu_overrides(regime, assets, steps=steps)
-    args += [f"trainer.default_local_dir={workdir / 'checkpoints'}", *overrides]
+    ov = cpu_overrides(regime, asset_paths(workdir / "assets"), steps=steps)
+    ov += [f"trainer.default_local_dir={workdir / 'checkpoints'}", *overrides]
+    preflight(ov, recipe=path)
+    ensure_assets(workdir / "assets", AssetSpec(task=task))
+    args = [f"--config-path={path.parent}", f"--config-name={path.stem}", *ov]
     proc = launch.run_main_ppo(args, workdir / "run")
     return proc.returncode
 
 
-def main(argv: Sequence[str] | None = None, out=print) -> int:
+def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) -> int:
     """``verl-stable recipe list | path | command | show | check | run-cpu``.
 
-    NAME is ``<backend>/<regime>`` (``fsdp/minirl_n2_r2``) or a bare regime (FSDP).
+    NAME is ``<backend>/<regime>`` (``fsdp/minirl_n2_r2``) or a bare regime (FSDP). ``check`` returns 1 when it finds
+    a problem (one line each).
+
+    Raises:
+        SystemExit: code 2 for an unknown name, a malformed override, a bad ``--steps`` or ``--workdir``, or (``show``,
+            ``run-cpu``) overrides that do not compose or that :func:`preflight` refuses; before anything is built.
     """
     parser = argparse.ArgumentParser(prog="verl-stable recipe", description="the verl-stable recipes")
     sub = parser.add_subparsers(dest="action", required=True)
@@ -601,31 +781,60 @@ def main(argv: Sequence[str] | None = None, out=print) -> int:
     p = sub.add_parser("run-cpu", help="run an fsdp recipe with verl's trainer on the CPU runtime (tiny MoE)")
     p.add_argument("name")
     p.add_argument("--workdir", default="./verl_stable_recipe_run")
-    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--steps", type=_positive_int, default=2)
     p.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
+    # overrides may follow options (``run-cpu NAME --steps 3 key=value``): argparse leaves those to parse_known_args
+    args, extra = parser.parse_known_args(argv)
+    unknown_options = [a for a in extra if a.startswith("-")]
+    if unknown_options or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     if args.action == "list":
         return _cmd_list(out)
-    backend, regime = parse_recipe_name(args.name)
+    try:
+        backend, regime = parse_recipe_name(args.name)
+        path = recipe_path(backend, regime)
+        check_override_syntax(getattr(args, "overrides", ()))
+    except (ValueError, FileNotFoundError) as exc:
+        parser.error(str(exc))
     if args.action == "path":
-        out(str(recipe_path(backend, regime)))
+        out(str(path))
         return 0
     if args.action == "command":
         out(" ".join(main_ppo_command(backend, regime)))
         return 0
     if args.action == "run-cpu":
         if backend != "fsdp":
-            parser.error("run-cpu runs the fsdp recipes only")
-        rc = run_on_cpu(regime, args.workdir, args.overrides, steps=args.steps)
+            parser.error(f"run-cpu runs the fsdp recipes only, got {backend}/{regime}")
+        try:
+            rc = run_on_cpu(regime, args.workdir, args.overrides, steps=args.steps)
+        except ValueError as exc:  # refused by the checks made before anything is built
+            parser.error(str(exc))
         run = Path(args.workdir).resolve() / "run"
         out(f"main_ppo exited {rc}; log: {run / 'main_ppo.log'}; metrics: {run / 'metrics.jsonl'}")
         return rc
     if args.action == "show":
         from omegaconf import OmegaConf
 
-        out(OmegaConf.to_yaml(compose_recipe(backend, regime, args.overrides)))
+        try:
+            cfg = compose_recipe(backend, regime, args.overrides)
+        except Exception as exc:  # noqa: BLE001 - hydra's refusal is reported, not raised
+            parser.error(f"the overrides do not compose on {backend}/{regime}: {type(exc).__name__}: {exc}")
+        out(OmegaConf.to_yaml(cfg))
         return 0
     return _cmd_check(args.name, args.overrides, out)
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
 
 
 if __name__ == "__main__":

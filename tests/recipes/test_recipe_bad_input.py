@@ -1,0 +1,228 @@
+"""``verl-stable recipe``: bad names, malformed or unknown overrides are refused with a message, never a traceback.
+
+``check`` answers with its verdict (exit 1 and one line per problem); ``path``, ``show`` and ``run-cpu`` refuse a
+bad argument with exit code 2 before anything is composed, built or started.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from verl_stable import recipes as R
+
+EXPECTED_KEY = "expected a key of verl's ppo_trainer or of verl-stable"
+
+
+def _refused(argv: list[str], capsys) -> str:
+    """Run ``verl-stable recipe ARGV``, assert exit code 2; return stderr."""
+    with pytest.raises(SystemExit) as info:
+        R.main(argv, out=lambda _: None)
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+def _check(argv: list[str]) -> tuple[int, list[str]]:
+    lines: list[str] = []
+    return R.main(["check", *argv], out=lines.append), lines
+
+
+@pytest.fixture
+def no_run(monkeypatch):
+    """Building assets or starting verl fails the test."""
+    import verl_stable.cpu.launch as launch
+    import verl_stable.lab.assets as assets
+
+    def fail(*args, **kwargs):
+        raise AssertionError("work started although the input should have been refused")
+
+    monkeypatch.setattr(assets, "ensure_assets", fail)
+    monkeypatch.setattr(launch, "run_main_ppo", fail)
+
+
+# ------------------------------------------------------------------------------------------------ check: added keys
+def test_check_reports_a_typo_behind_plus():
+    rc, lines = _check(["fsdp/minirl_n4_r3", "+data.train_batchsize=512"])
+    assert rc == 1
+    assert f"  - unknown key data.train_batchsize (added by an override; {EXPECTED_KEY})" in lines
+    assert lines[-1] == "fsdp/minirl_n4_r3: 1 problem(s)"
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "+verl_stable.routing.share_prompt_row=false",  # verl-stable's rollout-routing option, misspelt
+        "+actor_rollout_ref.rollout.engine_kwargs.hf.precison=fp8",  # the hf backend's option, misspelt
+        "+trainer.v1.trainer_mdoe=stable_sync",
+    ],
+)
+def test_check_reports_typos_in_sections_verl_does_not_convert(override):
+    rc, lines = _check(["fsdp/minirl_onpolicy", override])
+    key = override.lstrip("+").split("=")[0]
+    assert rc == 1 and f"  - unknown key {key} (added by an override; {EXPECTED_KEY})" in lines
+
+
+def test_check_accepts_keys_verl_or_verl_stable_define():
+    rc, lines = _check(
+        [
+            "fsdp/minirl_onpolicy",
+            "+ray_kwargs.ray_init._temp_dir=/tmp/ray_x",  # passed whole to ray.init
+            "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",  # an empty mapping in verl's YAML
+            "+actor_rollout_ref.rollout.agent.agent_loop_manager_class=a.B",  # a dataclass field verl's YAML omits
+            "+actor_rollout_ref.rollout.engine_kwargs.hf.precision=fp8",
+            "+verl_stable.routing.share_prompt_rows=false",
+        ]
+    )
+    assert (rc, lines) == (0, ["fsdp/minirl_onpolicy: OK"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["+verl_stable.routing.on_invalid=bogus"], "verl_stable.routing.on_invalid must be one of"),
+        (
+            ["actor_rollout_ref.rollout.name=hf", "+actor_rollout_ref.rollout.engine_kwargs.hf.precision=fp9"],
+            "hf rollout backend: unknown rollout precision 'fp9'; expected one of",
+        ),
+    ],
+)
+def test_check_reports_bad_values_of_verl_stable_options(overrides, expected):
+    rc, lines = _check(["fsdp/minirl_onpolicy", *overrides])
+    assert rc == 1 and any(expected in line for line in lines), lines
+
+
+def test_check_reports_an_override_that_does_not_compose():
+    rc, lines = _check(["fsdp/minirl_onpolicy", "data.train_batchsize=512"])  # no '+': hydra refuses
+    assert rc == 1
+    assert lines[0].startswith("  - the overrides do not compose on the recipe: ConfigCompositionException")
+    assert "data.train_batchsize" in lines[0]
+
+
+def test_unknown_override_keys_library_function():
+    assert R.unknown_override_keys("fsdp", "vespo", ["+data.train_batchsize=1", "data.train_batch_size=8"]) == [
+        "data.train_batchsize"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("key", "known"),
+    [
+        ("data.train_batch_size", True),
+        ("data.train_batchsize", False),
+        ("ray_kwargs.ray_init.num_gpus", True),
+        ("ray_kwargs.ray_init.runtime_env.env_vars.X", True),
+        ("actor_rollout_ref.model.override_config.attn_implementation", True),
+        ("actor_rollout_ref.rollout.agent.agent_loop_manager_class", True),
+        ("actor_rollout_ref.rollout.agent.agent_loop_manager_clas", False),
+        ("actor_rollout_ref.rollout.engine_kwargs.hf.max_batch_size", True),
+        ("actor_rollout_ref.rollout.engine_kwargs.hf.max_batch", False),
+        ("verl_stable.routing.on_invalid", True),
+        ("verl_stable.routing.oninvalid", False),
+        ("verl_stable.rooting.on_invalid", False),
+        ("stable.monitor.anything", True),  # StableConfig checks it on conversion
+        ("data.train_batch_size.x", False),  # below a scalar
+        ("nonsense", False),
+    ],
+)
+def test_is_known_key(key, known):
+    assert R.is_known_key(R.compose_base("fsdp"), key) is known
+
+
+# ------------------------------------------------------------------------------------------------ refusals (exit 2)
+@pytest.mark.parametrize("action", ["path", "command", "show", "check", "run-cpu"])
+def test_unknown_recipe_name_is_refused(action, capsys, no_run):
+    err = _refused([action, "fsdp/minirl_n9"], capsys)
+    assert "unknown regime 'minirl_n9'; known: ['minirl_onpolicy', 'minirl_n2_r2', 'minirl_n4_r3', 'vespo']" in err
+
+
+def test_unknown_backend_is_refused(capsys):
+    err = _refused(["check", "deepspeed/vespo"], capsys)
+    assert "unknown backend 'deepspeed'; known: ['fsdp', 'megatron']" in err
+
+
+@pytest.mark.parametrize("action", ["show", "check", "run-cpu"])
+@pytest.mark.parametrize(
+    ("override", "reason"),
+    [
+        ("data.train_batch_size", "missing EQUAL"),
+        ("=512", "has no key"),
+        ("a b=1", "is malformed"),
+    ],
+)
+def test_override_that_is_not_key_value_is_refused(action, override, reason, capsys, no_run):
+    err = _refused([action, "fsdp/vespo", override], capsys)
+    assert f"override {override!r}" in err and reason in err
+    assert "expected key=value, +key=value, ++key=value or ~key" in err
+
+
+@pytest.mark.parametrize("action", ["list", "show", "check"])
+def test_an_unknown_option_is_refused(action, capsys):
+    err = _refused([action, *(["fsdp/vespo"] if action != "list" else []), "--steps=3"], capsys)
+    assert "unrecognized arguments: --steps=3" in err
+
+
+def test_show_refuses_an_override_that_does_not_compose(capsys):
+    err = _refused(["show", "fsdp/vespo", "data.nope=1"], capsys)
+    assert "the overrides do not compose on fsdp/vespo: ConfigCompositionException" in err and "data.nope" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--steps", "0"], "argument --steps: expected an integer >= 1, got 0"),
+        (["--steps", "x"], "argument --steps: expected an integer >= 1, got 'x'"),
+        (
+            ["+data.train_batchsize=512"],
+            "unknown config key(s) ['data.train_batchsize']: expected keys of verl's ppo_trainer or of verl-stable",
+        ),
+        (["data.nope=1"], "the overrides do not compose on recipe"),
+        (
+            ["+actor_rollout_ref.rollout.engine_kwargs.hf.precision=fp9"],
+            "hf rollout backend: unknown rollout precision 'fp9'; expected one of",
+        ),
+    ],
+)
+def test_run_cpu_refuses_before_anything_is_built(tmp_path, capsys, no_run, args, expected):
+    err = _refused(["run-cpu", "fsdp/vespo", "--workdir", str(tmp_path / "w"), *args], capsys)
+    assert expected in err
+    assert not (tmp_path / "w").exists()
+
+
+def test_run_cpu_refuses_megatron_and_a_file_as_workdir(tmp_path, capsys, no_run):
+    err = _refused(["run-cpu", "megatron/vespo"], capsys)
+    assert "run-cpu runs the fsdp recipes only, got megatron/vespo" in err
+    target = tmp_path / "f"
+    target.write_text("x")
+    err = _refused(["run-cpu", "vespo", "--workdir", str(target)], capsys)
+    assert f"workdir {target} is a file; expected a directory" in err
+
+
+def test_run_on_cpu_refuses_bad_arguments(tmp_path, no_run):
+    with pytest.raises(ValueError, match=r"steps must be an integer >= 1, got 0"):
+        R.run_on_cpu("vespo", tmp_path, steps=0)
+    with pytest.raises(ValueError, match=r"unknown task 'sort'; expected one of \('copy', 'add', 'max'\)"):
+        R.run_on_cpu("vespo", tmp_path, task="sort")
+    with pytest.raises(ValueError, match="unknown regime"):
+        R.run_on_cpu("minirl_n9", tmp_path)
+
+
+def test_run_cpu_refuses_what_verls_conversion_would_reject_at_run_time(tmp_path, capsys, no_run):
+    err = _refused(["run-cpu", "vespo", "--workdir", str(tmp_path), "+stable.monitor.entropy_windw=3"], capsys)
+    assert "verl rejects the config:" in err and "entropy_windw" in err
+
+
+@pytest.mark.parametrize("regime", list(R.REGIMES))
+def test_run_cpu_preflight_accepts_every_shipped_regime(tmp_path, monkeypatch, regime):
+    """The checks pass the real CPU argument list; overrides after options reach verl, last."""
+    import subprocess
+
+    import verl_stable.cpu.launch as launch
+    import verl_stable.lab.assets as assets
+
+    calls: list[list[str]] = []
+    monkeypatch.setattr(assets, "ensure_assets", lambda root, spec=None: assets.asset_paths(root))
+    monkeypatch.setattr(
+        launch, "run_main_ppo", lambda args, workdir: calls.append(list(args)) or subprocess.CompletedProcess(args, 0)
+    )
+    argv = ["run-cpu", regime, "--workdir", str(tmp_path), "--steps", "1", "trainer.val_before_train=True"]
+    assert R.main(argv, out=lambda _: None) == 0
+    assert calls and calls[0][-1] == "trainer.val_before_train=True"
