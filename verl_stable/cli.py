@@ -1,12 +1,21 @@
-"""The ``verl-stable`` command line: ``doctor``, ``run`` (verl on CPU) and ``lab``."""
+"""The ``verl-stable`` command line: ``doctor``, ``run`` (verl on CPU) and ``lab``.
+
+Arguments are checked before anything starts: a bad one is refused with exit code 2 and a message saying what was
+expected (``doctor --model`` with a path that is not a checkpoint, ``run --precision fp9`` ...). ``doctor`` returns 1
+when a check fails, with one line per problem; a checkpoint whose ``config.json`` cannot be read or holds malformed
+counts gets that as its verdict, never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import importlib.metadata as md
+import json
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 from verl_stable import SUPPORTED_VERL_VERSION
 
@@ -86,11 +95,70 @@ def _check_cpu_runtime(out: Callable[[str], None]) -> list[str]:
     return problems
 
 
+# config.json counts the routing check reads as integers (layers, experts and top-k of every supported family)
+_COUNT_FIELDS = (
+    "num_hidden_layers",
+    "num_experts",
+    "num_local_experts",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "first_k_dense_replace",
+    "decoder_sparse_step",
+)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def model_config_problem(model: str | Path) -> str | None:
+    """What makes a checkpoint's ``config.json`` unreadable for the routing check; None when it looks sound.
+
+    Args:
+        model: a checkpoint directory or its ``config.json``.
+    """
+    path = Path(model)
+    path = path / "config.json" if path.is_dir() else path
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        return f"{path} is not JSON ({exc.msg}, line {exc.lineno}); expected a JSON object"
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"cannot read {path}: {exc}"
+    if not isinstance(raw, dict):
+        return f"{path} holds a JSON {type(raw).__name__}; expected a JSON object with a model_type"
+    if not isinstance(raw.get("model_type"), str):
+        return f"{path}: model_type must be a string, got {raw.get('model_type')!r}"
+    sections = [("", raw)]
+    text = raw.get("text_config")
+    if text is not None:
+        if not isinstance(text, dict):
+            return f"{path}: text_config must be a JSON object, got {type(text).__name__}"
+        sections.append(("text_config.", text))
+    for prefix, section in sections:
+        for name in _COUNT_FIELDS:
+            value = section.get(name)
+            if value is not None and not _is_count(value):
+                return f"{path}: {prefix}{name} must be an integer >= 0, got {value!r}"
+        layers = section.get("mlp_only_layers")
+        if layers is not None and not (isinstance(layers, list) and all(_is_count(i) for i in layers)):
+            return f"{path}: {prefix}mlp_only_layers must be a list of layer indices, got {layers!r}"
+    return None
+
+
 def _check_model(model: str, out: Callable[[str], None]) -> list[str]:
     from verl_stable.routing.families import describe_model_routing, format_routing_report
 
-    report = describe_model_routing(model)
     out(f"  {model}:")
+    problem = model_config_problem(model)
+    if problem is None:
+        try:
+            report = describe_model_routing(model)
+        except Exception as exc:  # noqa: BLE001 - a checkpoint transformers cannot read still gets a verdict
+            problem = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    if problem is not None:
+        out(f"    routing replay: cannot be checked ({problem})")
+        return [f"routing of {model} cannot be checked: {problem}"]
     for line in format_routing_report(report).splitlines():
         out(f"    {line}")
     return [] if report["replayable"] else [f"routing of {model} cannot be replayed: {report['reason']}"]
@@ -104,7 +172,23 @@ _DELEGATED = {
 }
 
 
+def _checkpoint(text: str) -> str:
+    """argparse type of ``doctor --model``: an existing checkpoint directory with a ``config.json``, or that file."""
+    path = Path(text)
+    if path.is_file() or (path.is_dir() and (path / "config.json").is_file()):
+        return text
+    why = "no such file or directory" if not path.exists() else "no config.json in it"
+    raise argparse.ArgumentTypeError(
+        f"expected a Hugging Face checkpoint directory with a config.json (or the file), got {text!r} ({why})"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``verl-stable``; ``run``, ``recipe`` and ``lab`` parse their own arguments.
+
+    Raises:
+        SystemExit: code 2 for a bad argument (argparse's convention), before anything runs.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _DELEGATED:
         module = importlib.import_module(_DELEGATED[argv[0]][0])
@@ -112,7 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="verl-stable", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p_doc = sub.add_parser("doctor", help="versions, registrations and contracts with the installed verl")
-    p_doc.add_argument("--model", help="a HF checkpoint dir: can its MoE routing be captured and replayed?")
+    p_doc.add_argument(
+        "--model", type=_checkpoint, help="a HF checkpoint dir: can its MoE routing be captured and replayed?"
+    )
     for name, (_, help_text) in _DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
     args = parser.parse_args(argv)

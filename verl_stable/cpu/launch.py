@@ -1,9 +1,13 @@
 """One-command CPU runs of verl's own trainer (``python -m verl.trainer.main_ppo``) with the CPU runtime.
 
 :func:`cpu_overrides` returns the hydra overrides a CPU run needs (platform, fake Ray GPU for placement, gloo, sdpa,
-one TransferQueue storage unit, the ``hf`` rollout backend, tiny batch sizes, the toy reward). :func:`main` builds the
-tiny assets if missing and runs ``main_ppo`` in a subprocess with ``VERL_PLATFORM=cpu``; extra ``key=value``
-arguments are appended and win. Per-step metrics go to a JSON-lines file (verl's ``file`` logger).
+one TransferQueue storage unit, the ``hf`` rollout backend, tiny batch sizes, the toy reward). :func:`main` checks its
+arguments and the composed config (:func:`verl_stable.recipes.preflight`), builds the tiny assets if missing and runs
+``main_ppo`` in a subprocess with ``VERL_PLATFORM=cpu``; extra ``key=value`` arguments are appended and win. Per-step
+metrics go to a JSON-lines file (verl's ``file`` logger).
+
+Every run gets a Ray temporary directory of its own (:func:`ray_tmpdir`, passed as ``RAY_TMPDIR``), so concurrent runs
+and users on one machine never share Ray's session directories or sockets.
 
     python -m verl_stable.cpu.launch --workdir /tmp/run trainer.total_training_steps=3
 """
@@ -11,18 +15,23 @@ arguments are appended and win. Per-step metrics go to a JSON-lines file (verl's
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import math
 import os
+import stat
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from verl_stable.cpu.polling import ENV_POLL_INTERVAL
 from verl_stable.lab import tasks
-from verl_stable.lab.assets import Assets, AssetSpec, ensure_assets
+from verl_stable.lab.assets import Assets, AssetSpec, asset_paths, ensure_assets
+from verl_stable.lab.variants import PRECISIONS
 
-# Overrides every CPU run needs, independent of the model/data (see /work/shared/reference/verl-cpu-runtime.md).
+# Overrides every CPU run needs, independent of the model/data; each says why where it is not obvious.
 RUNTIME_OVERRIDES: tuple[str, ...] = (
     "trainer.device=cpu",
     "trainer.n_gpus_per_node=1",
@@ -142,6 +151,59 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
 
 _RAY_START_FAILURE = "The current node timed out during startup"
 
+RAY_TMPDIR_NAME = "ray_tmp"
+# Ray puts its unix sockets at <RAY_TMPDIR>/ray/session_<date>_<time>_<microseconds>_<pid>/sockets/<name>; this is the
+# longest such tail (pid up to Linux's 4194304, a numbered plasma_store socket). A socket path holds at most 107 bytes
+# on Linux and 103 on macOS, and Ray refuses longer ones only once the node starts.
+_RAY_SOCKET_TAIL = "/ray/session_2000-01-01_00-00-00_000000_4194304/sockets/plasma_store.99"
+_SOCKET_PATH_MAX = 103 if sys.platform == "darwin" else 107
+
+
+def _fits_ray_sockets(path: Path) -> bool:
+    return len(str(path).encode()) + len(_RAY_SOCKET_TAIL) <= _SOCKET_PATH_MAX
+
+
+def ray_tmpdir(workdir: str | os.PathLike) -> Path:
+    """The Ray temporary directory of a run in ``workdir`` (created; Ray adds ``ray/session_*`` below it).
+
+    ``workdir/ray_tmp`` when Ray's socket paths below it fit the unix-socket limit. A deeper workdir gets a short
+    directory of its own in the system temp dir instead, named by the user id and a hash of ``workdir`` (mode 0700,
+    so another user cannot share or pre-create it), and ``workdir/ray_tmp`` becomes a link to it.
+
+    Raises:
+        PermissionError: The short directory exists but is not a directory owned by this user.
+        ValueError: No candidate directory is short enough.
+    """
+    workdir = Path(workdir).resolve()
+    own = workdir / RAY_TMPDIR_NAME
+    if _fits_ray_sockets(own):
+        if own.is_symlink():  # left by an earlier run when the path was handled as too long
+            own.unlink()
+        own.mkdir(parents=True, exist_ok=True)
+        return own
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    name = f"vs-ray-{uid}-{hashlib.sha256(str(workdir).encode()).hexdigest()[:12]}"
+    for root in dict.fromkeys((Path(tempfile.gettempdir()), Path("/tmp"))):
+        short = root / name
+        if not _fits_ray_sockets(short):
+            continue
+        short.mkdir(mode=0o700, exist_ok=True)
+        info = os.lstat(short)
+        if not stat.S_ISDIR(info.st_mode) or (hasattr(os, "getuid") and info.st_uid != uid):
+            raise PermissionError(
+                f"Ray temporary directory {short} is not a directory owned by user {uid}; expected one this user "
+                "created (remove it or run from a shorter --workdir)"
+            )
+        workdir.mkdir(parents=True, exist_ok=True)
+        if own.is_symlink() or not own.exists():
+            own.unlink(missing_ok=True)
+            own.symlink_to(short, target_is_directory=True)
+        return short
+    raise ValueError(
+        f"no Ray temporary directory short enough for unix sockets ({_SOCKET_PATH_MAX} bytes with "
+        f"{len(_RAY_SOCKET_TAIL)} for Ray's session path) under {workdir} or the system temp dir"
+    )
+
 
 def run_main_ppo(
     overrides: Sequence[str],
@@ -155,11 +217,13 @@ def run_main_ppo(
     """Run ``python -m verl.trainer.main_ppo`` with ``overrides`` in ``workdir`` (log in ``workdir/log_name``).
 
     Ray gives its local node a fixed 30 s to start; on an overloaded host that fails before verl runs, so such a
-    start-up failure (and only that) is retried up to ``ray_start_retries`` times.
+    start-up failure (and only that) is retried up to ``ray_start_retries`` times. Ray's temporary files (sessions,
+    sockets, logs) go to the run's own :func:`ray_tmpdir`.
     """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     env = cpu_env(workdir / "metrics.jsonl", poll_interval_s)
+    env["RAY_TMPDIR"] = str(ray_tmpdir(workdir))
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
     for attempt in range(ray_start_retries + 1):
         with open(workdir / log_name, "w") as log:
@@ -170,25 +234,66 @@ def run_main_ppo(
     return proc
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: build tiny assets if missing, then run verl's trainer on CPU. Returns the trainer's exit code."""
+    """CLI: check the arguments, build tiny assets if missing, then run verl's trainer on CPU.
+
+    Returns:
+        The trainer's exit code (0 after ``--print-overrides``).
+
+    Raises:
+        SystemExit: code 2 for a bad argument or overrides that :func:`verl_stable.recipes.preflight` refuses (a
+            malformed or unknown key, a config verl would reject), before any asset is built or verl started.
+    """
+    from verl_stable import recipes
+
     parser = argparse.ArgumentParser(prog="verl-stable run", description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="./verl_stable_cpu_run", help="assets, checkpoints, logs, metrics")
     parser.add_argument("--task", default="copy", choices=tasks.TASKS)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--precision", default=None, help="hf rollout precision: fp32 | bf16 | fp16 | fp8")
+    parser.add_argument("--steps", type=_positive_int, default=3)
+    parser.add_argument("--precision", default=None, choices=PRECISIONS, help="hf rollout precision (weights)")
     parser.add_argument("--no-sync", action="store_true", help="skip weight sync to the rollout (drift check)")
-    parser.add_argument("--poll-interval", type=float, default=0.1, help="replay-buffer poll seconds (verl: 2.0)")
+    parser.add_argument(
+        "--poll-interval", type=_positive_seconds, default=0.1, help="replay-buffer poll seconds (verl: 2.0)"
+    )
     parser.add_argument("--print-overrides", action="store_true", help="print the overrides and exit")
     parser.add_argument("overrides", nargs="*", help="extra hydra overrides key=value (appended, they win)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may come before or after the options
     workdir = Path(args.workdir).resolve()
-    assets = ensure_assets(workdir / "assets", AssetSpec(task=args.task))
+    if workdir.exists() and not workdir.is_dir():
+        parser.error(f"--workdir {workdir} is a file; expected a directory (created if missing)")
+    assets = asset_paths(workdir / "assets")  # where they will be; nothing is built before the checks pass
     ov = cpu_overrides(assets, steps=args.steps, precision=args.precision, sync_weights=not args.no_sync)
     ov += [f"trainer.default_local_dir={workdir / 'checkpoints'}", *args.overrides]
+    try:
+        recipes.preflight(ov)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.print_overrides:
         print("\n".join(ov))
         return 0
+    ensure_assets(workdir / "assets", AssetSpec(task=args.task))
     proc = run_main_ppo(ov, workdir, poll_interval_s=args.poll_interval)
     print(f"main_ppo exited {proc.returncode}; log: {workdir / 'main_ppo.log'}; metrics: {workdir / 'metrics.jsonl'}")
     return proc.returncode

@@ -1,0 +1,222 @@
+"""``verl-stable run`` and ``verl-stable doctor``: bad input is refused before anything starts, with a message.
+
+``run`` must refuse a bad argument (exit code 2) before it builds assets or starts verl: both are replaced here by
+functions that fail the test. ``doctor --model`` must give a verdict for any checkpoint, never a traceback. Each run
+of verl gets a Ray temporary directory of its own, short enough for Ray's unix sockets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from verl_stable import cli
+from verl_stable.cpu import launch
+
+
+def _fail(*args, **kwargs):
+    raise AssertionError("work started although the input should have been refused")
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    monkeypatch.setattr(launch, "ensure_assets", _fail)
+    monkeypatch.setattr(launch, "run_main_ppo", _fail)
+    monkeypatch.setattr(launch.subprocess, "run", _fail)
+
+
+def _refused(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ run
+@pytest.mark.parametrize("extra", [[], ["--print-overrides"]])
+def test_run_refuses_an_unknown_precision(tmp_path, no_work, capsys, extra):
+    err = _refused(["run", "--workdir", str(tmp_path / "w"), "--precision", "fp9", *extra], capsys)
+    assert "argument --precision: invalid choice: 'fp9' (choose from" in err
+    assert all(p in err for p in ("'fp8'", "'bf16'", "'fp16'", "'fp32'"))
+    assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--steps", "0"], "argument --steps: expected an integer >= 1, got 0"),
+        (["--steps", "three"], "argument --steps: expected an integer >= 1, got 'three'"),
+        (["--poll-interval", "0"], "argument --poll-interval: expected a number of seconds > 0, got '0'"),
+        (["--poll-interval", "inf"], "argument --poll-interval: expected a number of seconds > 0, got 'inf'"),
+        (["--task", "sort"], "argument --task: invalid choice: 'sort'"),
+        (["data.train_batch_size"], "override 'data.train_batch_size' is malformed (missing EQUAL"),
+        (["=4"], "override '=4' has no key; expected key=value, +key=value, ++key=value or ~key"),
+        (["data.train_batchsize=4"], "the overrides do not compose on verl's ppo_trainer"),
+        (
+            ["+data.train_batchsize=4"],
+            "unknown config key(s) ['data.train_batchsize']: expected keys of verl's ppo_trainer or of verl-stable",
+        ),
+        (
+            ["+actor_rollout_ref.rollout.engine_kwargs.hf.precision=fp9"],
+            "hf rollout backend: unknown rollout precision 'fp9'; expected one of",
+        ),
+    ],
+)
+def test_run_refuses_bad_arguments_before_anything_starts(tmp_path, no_work, capsys, args, expected):
+    err = _refused(["run", "--workdir", str(tmp_path / "w"), *args], capsys)
+    assert expected in err
+    assert not (tmp_path / "w").exists()
+
+
+def test_run_refuses_a_file_as_workdir(tmp_path, no_work, capsys):
+    target = tmp_path / "w"
+    target.write_text("mine")
+    err = _refused(["run", "--workdir", str(target)], capsys)
+    assert f"--workdir {target} is a file; expected a directory" in err
+    assert target.read_text() == "mine"
+
+
+def test_print_overrides_checks_and_builds_nothing(tmp_path, no_work, capsys):
+    argv = ["run", "--workdir", str(tmp_path / "w"), "trainer.val_before_train=True", "--precision", "bf16"]
+    assert cli.main([*argv, "--print-overrides"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "+actor_rollout_ref.rollout.engine_kwargs.hf.precision=bf16" in lines
+    assert lines[-1] == "trainer.val_before_train=True"  # an override before the options still comes last and wins
+    assert not (tmp_path / "w").exists()
+
+
+# ------------------------------------------------------------------------------------------------ Ray temp dir
+def test_each_run_gets_its_own_ray_tmpdir(tmp_path, monkeypatch):
+    seen: list[dict] = []
+
+    def fake_run(cmd, cwd, env, stdout, stderr, timeout):
+        seen.append(env)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(launch.subprocess, "run", fake_run)
+    monkeypatch.setenv("RAY_TMPDIR", "/tmp")  # a shared value inherited from the shell does not leak into runs
+    a, b = Path("/tmp") / f"vs_{os.getpid()}_a", tmp_path / "b"
+    try:
+        launch.run_main_ppo(["x=1"], a)
+        launch.run_main_ppo(["x=1"], b)
+    finally:
+        import shutil
+
+        shutil.rmtree(a, ignore_errors=True)
+    dirs = [Path(env["RAY_TMPDIR"]) for env in seen]
+    assert dirs[0] == a / launch.RAY_TMPDIR_NAME
+    assert dirs[0] != dirs[1] and all(d.is_dir() for d in dirs[1:])
+
+
+def test_a_deep_workdir_gets_a_short_private_ray_tmpdir(tmp_path):
+    deep = tmp_path / ("d" * 60) / "run"
+    short = launch.ray_tmpdir(deep)
+    assert len(str(short).encode()) + len(launch._RAY_SOCKET_TAIL) <= launch._SOCKET_PATH_MAX
+    assert (deep / launch.RAY_TMPDIR_NAME).resolve() == short.resolve()  # found from the workdir
+    assert short.stat().st_mode & 0o077 == 0 and short.stat().st_uid == os.getuid()
+    assert launch.ray_tmpdir(deep) == short  # stable for one workdir
+    other = launch.ray_tmpdir(tmp_path / ("e" * 60) / "run")
+    assert other != short
+    for d in (short, other):
+        d.rmdir()
+
+
+def test_a_short_ray_tmpdir_of_another_user_is_refused(tmp_path, monkeypatch):
+    deep = tmp_path / ("d" * 60)
+    short = launch.ray_tmpdir(deep)
+    real_uid = os.getuid()
+    monkeypatch.setattr(launch.os, "getuid", lambda: real_uid + 1)
+    name = f"vs-ray-{real_uid + 1}-" + short.name.rsplit("-", 1)[1]
+    (short.parent / name).mkdir(mode=0o700)  # "pre-created" by someone else: owned by real_uid, not by real_uid + 1
+    try:
+        with pytest.raises(PermissionError, match=f"is not a directory owned by user {real_uid + 1}; expected one"):
+            launch.ray_tmpdir(deep)
+    finally:
+        (short.parent / name).rmdir()
+        short.rmdir()
+
+
+# ------------------------------------------------------------------------------------------------ doctor --model
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ("[1, 2]", "holds a JSON list; expected a JSON object with a model_type"),
+        ("{not json", "is not JSON (Expecting property name enclosed in double quotes, line 1)"),
+        ('{"num_hidden_layers": 4}', "model_type must be a string, got None"),
+        ('{"model_type": ["qwen3_moe"]}', "model_type must be a string, got ['qwen3_moe']"),
+        (
+            '{"model_type": "qwen3_moe", "num_hidden_layers": "four", "num_experts": 8, "num_experts_per_tok": 2}',
+            "num_hidden_layers must be an integer >= 0, got 'four'",
+        ),
+        ('{"model_type": "qwen3_moe", "num_hidden_layers": 4.5}', "num_hidden_layers must be an integer >= 0, got 4.5"),
+        ('{"model_type": "qwen3_moe", "num_experts": true}', "num_experts must be an integer >= 0, got True"),
+        ('{"model_type": "mixtral", "num_local_experts": -8}', "num_local_experts must be an integer >= 0, got -8"),
+        ('{"model_type": "qwen3_moe", "mlp_only_layers": "0,1"}', "mlp_only_layers must be a list of layer indices"),
+        ('{"model_type": "x", "text_config": [1]}', "text_config must be a JSON object, got list"),
+        (
+            '{"model_type": "qwen3_5_moe", "text_config": {"num_hidden_layers": "4"}}',
+            "text_config.num_hidden_layers must be an integer >= 0, got '4'",
+        ),
+    ],
+)
+def test_doctor_model_with_a_malformed_config_gets_a_verdict(tmp_path, config, expected):
+    (tmp_path / "config.json").write_text(config)
+    lines: list[str] = []
+    problems = cli._check_model(str(tmp_path), lines.append)
+    assert len(problems) == 1 and problems[0].startswith(f"routing of {tmp_path} cannot be checked: ")
+    assert expected in problems[0]
+    assert lines[-1].startswith("    routing replay: cannot be checked (") and expected in lines[-1]
+
+
+def test_doctor_model_verdict_when_transformers_itself_refuses(tmp_path, monkeypatch):
+    import verl_stable.routing.families as families
+
+    def broken(model):
+        raise TypeError("something\nmulti-line")
+
+    monkeypatch.setattr(families, "describe_model_routing", broken)
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe"}')
+    lines: list[str] = []
+    assert cli._check_model(str(tmp_path), lines.append) == [
+        f"routing of {tmp_path} cannot be checked: TypeError: something multi-line"
+    ]
+
+
+def test_doctor_model_still_reports_a_sound_checkpoint(tmp_path):
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(hidden_size=32, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2).save_pretrained(tmp_path)
+    lines: list[str] = []
+    assert cli._check_model(str(tmp_path), lines.append) == []
+    assert any("routing replay: supported (family qwen3_moe" in line for line in lines)
+
+
+def test_doctor_end_to_end_prints_a_verdict_and_exits_1(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_check_cpu_runtime", lambda out: [])  # its own tests live in tests/cpu
+    (tmp_path / "config.json").write_text(json.dumps([1, 2]))
+    assert cli.main(["doctor", "--model", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert f"routing of {tmp_path} cannot be checked: {tmp_path / 'config.json'} holds a JSON list" in out
+    assert "Traceback" not in out
+
+
+@pytest.mark.parametrize(("make", "why"), [("missing", "no such file or directory"), ("empty", "no config.json in it")])
+def test_doctor_refuses_a_model_that_is_not_a_checkpoint(tmp_path, capsys, monkeypatch, make, why):
+    monkeypatch.setattr(cli, "doctor", _fail)
+    path = tmp_path / make
+    if make == "empty":
+        path.mkdir()
+    err = _refused(["doctor", "--model", str(path)], capsys)
+    assert (
+        f"argument --model: expected a Hugging Face checkpoint directory with a config.json (or the file), got {str(path)!r} ({why})"
+        in err
+    )
+
+
+def test_an_unknown_command_is_refused(capsys):
+    err = _refused(["trian"], capsys)
+    assert "invalid choice: 'trian'" in err
