@@ -220,3 +220,15 @@ def test_doctor_refuses_a_model_that_is_not_a_checkpoint(tmp_path, capsys, monke
 def test_an_unknown_command_is_refused(capsys):
     err = _refused(["trian"], capsys)
     assert "invalid choice: 'trian'" in err
+
+
+@pytest.mark.parametrize("name", ["w,1", "w=1", "w[1]", "wörk", "w#1"])
+def test_run_refuses_a_workdir_hydra_cannot_carry(tmp_path, no_work, capsys, name):
+    err = _refused(["run", "--workdir", str(tmp_path / name)], capsys)
+    assert f"--workdir {str(tmp_path / name)!r} cannot be passed to verl in a hydra override; expected a path" in err
+    assert not (tmp_path / name).exists()
+
+
+def test_run_accepts_a_workdir_with_spaces(tmp_path, no_work, capsys):
+    assert cli.main(["run", "--workdir", str(tmp_path / "my run"), "--print-overrides"]) == 0
+    assert f"trainer.default_local_dir={tmp_path / 'my run' / 'checkpoints'}" in capsys.readouterr().out

@@ -467,6 +467,29 @@ def preflight(overrides: Sequence[str], recipe: str | os.PathLike | None = None,
     return cfg
 
 
+def check_override_path(path: str | os.PathLike, what: str) -> None:
+    """Refuse a path that cannot travel to verl inside an unquoted hydra override value (``data.train_files=PATH``).
+
+    Hydra's grammar rejects ``= [ ] { } ' # ``, non-ASCII letters and more in such a value, reads a comma as a sweep
+    over several values and ``${`` as an interpolation; verl would fail on it only after the assets were built.
+
+    Raises:
+        ValueError: Naming ``what`` (e.g. ``--workdir``), the path and the characters that are safe.
+    """
+    value = str(path)
+    safe = "," not in value and "${" not in value
+    if safe:
+        try:
+            check_override_syntax([f"key={value}"])
+        except ValueError:
+            safe = False
+    if not safe:
+        raise ValueError(
+            f"{what} {value!r} cannot be passed to verl in a hydra override; expected a path of ASCII letters, "
+            "digits, spaces and / . _ - + ~ @ (no , = [ ] { } ( ) ' \" # or non-ASCII characters)"
+        )
+
+
 def check_override_syntax(overrides: Sequence[str]) -> None:
     """Parse every override with hydra's own grammar, so a malformed one is refused before anything is composed.
 
@@ -697,7 +720,10 @@ def _cmd_list(out) -> int:
 def _cmd_check(name: str, overrides: Sequence[str], out) -> int:
     backend, regime = parse_recipe_name(name)
     path = recipe_path(backend, regime)
-    problems = [f"unknown key {k} (not in verl's {BACKENDS[backend]})" for k in unknown_recipe_keys(path)]
+    try:
+        problems = [f"unknown key {k} (not in verl's {BACKENDS[backend]})" for k in unknown_recipe_keys(path)]
+    except Exception as exc:  # noqa: BLE001 - a recipe from $VERL_STABLE_RECIPES may be any file
+        problems = [f"cannot read the recipe {path}: {type(exc).__name__}: {exc}"]
     try:
         cfg = compose_recipe(backend, regime, overrides)
     except Exception as exc:  # noqa: BLE001 - hydra's refusal (a key not in verl's config ...) is the answer
@@ -745,6 +771,7 @@ def run_on_cpu(
     workdir = Path(workdir).resolve()
     if workdir.exists() and not workdir.is_dir():
         raise ValueError(f"workdir {workdir} is a file; expected a directory (created if missing)")
+    check_override_path(workdir, "workdir")
     path = recipe_path("fsdp", regime)
     ov = cpu_overrides(regime, asset_paths(workdir / "assets"), steps=steps)
     ov += [f"trainer.default_local_dir={workdir / 'checkpoints'}", *overrides]
@@ -790,9 +817,9 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
-    if args.action == "list":
-        return _cmd_list(out)
     try:
+        if args.action == "list":
+            return _cmd_list(out)
         backend, regime = parse_recipe_name(args.name)
         path = recipe_path(backend, regime)
         check_override_syntax(getattr(args, "overrides", ()))

@@ -290,3 +290,80 @@ def test_cli_reports_every_run_in_out_after_an_only_sweep(tmp_path, monkeypatch)
     argv = ["--out", str(out), "--only", "minirl_r3", "--steps", "2", "--jobs", "1"]
     assert cli.main(argv, out=lambda _: None) == 0
     assert [(r["variant"], r["step"]) for r in seen] == [("vespo", 1), ("vespo", 2), ("minirl_r3", 1), ("minirl_r3", 2)]
+
+
+# ------------------------------------------------------------------------------------------------ damaged files
+@pytest.mark.parametrize(
+    ("done", "last_line"),
+    [('{"digest": ', None), ("[1]", None), (None, '{"step": 3, "da')],
+    ids=["done.json cut short", "done.json a list", "metrics line cut short"],
+)
+def test_a_damaged_run_is_incomplete_and_starts_over(tmp_path, monkeypatch, done, last_line):
+    """A run killed while writing is run again (its files set aside), not a traceback that stops the sweep."""
+    import verl_stable.cpu.launch as launch
+
+    run_dir = tmp_path / "r"
+    _log_steps(run_dir, range(1, 3))
+    (run_dir / "done.json").write_text(done or json.dumps({"digest": sweep.overrides_digest(["a=1"])}))
+    if last_line is not None:
+        with open(run_dir / "metrics.jsonl", "a") as f:
+            f.write(last_line)
+    assert not sweep.is_complete(run_dir, ["a=1"], 2)
+    started = []
+    monkeypatch.setattr(
+        launch, "run_main_ppo", lambda ov, wd, **kw: started.append(wd) or subprocess.CompletedProcess([], 0)
+    )
+    assert sweep.run_one(["a=1"], run_dir, 2) == (0, False)
+    assert started == [run_dir]
+    assert len(list((run_dir / "superseded").iterdir())) == 1
+
+
+def test_a_damaged_asset_marker_rebuilds_the_assets(tmp_path, monkeypatch):
+    from verl_stable.lab import assets as A
+
+    built = []
+    monkeypatch.setattr(A, "build_tokenizer", lambda d: built.append("tokenizer"))
+    monkeypatch.setattr(A, "build_model", lambda d, spec, tok: built.append("model"))
+    monkeypatch.setattr(A, "build_datasets", lambda root, spec: built.append("data"))
+    (tmp_path / "train.parquet").write_text("x")
+    (tmp_path / A.MARKER).write_text('{"task": "co')  # cut short
+    A.ensure_assets(tmp_path, A.AssetSpec())
+    assert built == ["tokenizer", "model", "data"]
+    assert json.loads((tmp_path / A.MARKER).read_text())["task"] == "copy"
+
+
+def test_a_damaged_cold_start_cache_entry_is_rebuilt(tmp_path, monkeypatch):
+    import transformers
+
+    from verl_stable.lab import coldstart
+    from verl_stable.lab.assets import AssetSpec
+
+    spec, config = AssetSpec(), coldstart.ColdStartConfig()
+    entry = tmp_path / coldstart.cache_key(spec, config)
+    entry.mkdir()
+    (entry / coldstart.MARKER).write_text('{"expected_reward": 0.4}')  # lacks the other fields
+
+    def rebuild(*args, **kwargs):
+        raise RuntimeError("rebuild started")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", rebuild)
+    assets = Assets(*(tmp_path / n for n in ("root", "model", "train.parquet", "val.parquet")))
+    with pytest.raises(RuntimeError, match="rebuild started"):
+        coldstart.cold_start(assets, spec, tmp_path, config)
+
+
+# ------------------------------------------------------------------------------------------------ paths and recipes
+@pytest.mark.parametrize("name", ["a,b", "a=b", "lab[1]", "résultats"])
+def test_an_out_hydra_cannot_carry_is_refused_before_any_work(tmp_path, no_work, capsys, name):
+    code, err = _exit_code(["--out", str(tmp_path / name)], capsys)
+    assert code == 2
+    assert f"output directory {str(tmp_path / name)!r} cannot be passed to verl in a hydra override" in err
+    assert "expected a path of ASCII letters, digits, spaces and / . _ - + ~ @" in err
+
+
+def test_missing_recipes_are_refused_before_any_work(tmp_path, no_work, capsys, monkeypatch):
+    from verl_stable import recipes
+
+    monkeypatch.setenv(recipes.RECIPES_ENV, str(tmp_path / "nowhere"))
+    code, err = _exit_code(["--out", str(tmp_path / "lab")], capsys)
+    assert code == 2 and f"{recipes.RECIPES_ENV}={tmp_path / 'nowhere'} is not a verl-stable recipes directory" in err

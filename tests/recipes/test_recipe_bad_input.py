@@ -226,3 +226,35 @@ def test_run_cpu_preflight_accepts_every_shipped_regime(tmp_path, monkeypatch, r
     argv = ["run-cpu", regime, "--workdir", str(tmp_path), "--steps", "1", "trainer.val_before_train=True"]
     assert R.main(argv, out=lambda _: None) == 0
     assert calls and calls[0][-1] == "trainer.val_before_train=True"
+
+
+# ------------------------------------------------------------------------------------------------ untrusted recipe dirs
+def test_list_with_a_recipes_dir_that_is_not_one_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv(R.RECIPES_ENV, str(tmp_path))
+    err = _refused(["list"], capsys)
+    assert f"{R.RECIPES_ENV}={tmp_path} is not a verl-stable recipes directory (no fsdp/ in it)" in err
+
+
+def test_list_with_a_recipe_missing_is_refused(tmp_path, capsys, monkeypatch):
+    (tmp_path / "fsdp").mkdir()
+    monkeypatch.setenv(R.RECIPES_ENV, str(tmp_path))
+    err = _refused(["list"], capsys)
+    assert "recipe fsdp/minirl_onpolicy is missing: " in err
+
+
+def test_check_of_a_recipe_file_that_is_not_a_mapping_reports_it(tmp_path, monkeypatch):
+    import shutil
+
+    shutil.copytree(R.recipes_dir() / "fsdp", tmp_path / "fsdp")
+    (tmp_path / "fsdp" / "vespo.yaml").write_text("- a\n- b\n")
+    monkeypatch.setenv(R.RECIPES_ENV, str(tmp_path))
+    rc, lines = _check(["fsdp/vespo"])
+    assert rc == 1
+    assert lines[0].startswith(f"  - cannot read the recipe {tmp_path / 'fsdp' / 'vespo.yaml'}: ")
+    assert lines[-1].startswith("fsdp/vespo: ") and lines[-1].endswith("problem(s)")
+
+
+@pytest.mark.parametrize("name", ["w,1", "w=1", "w{1}", "wörk"])
+def test_run_cpu_refuses_a_workdir_hydra_cannot_carry(tmp_path, capsys, no_run, name):
+    err = _refused(["run-cpu", "vespo", "--workdir", str(tmp_path / name)], capsys)
+    assert f"workdir {str(tmp_path / name)!r} cannot be passed to verl in a hydra override; expected a path" in err

@@ -283,6 +283,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     workdir = Path(args.workdir).resolve()
     if workdir.exists() and not workdir.is_dir():
         parser.error(f"--workdir {workdir} is a file; expected a directory (created if missing)")
+    try:
+        recipes.check_override_path(workdir, "--workdir")
+    except ValueError as exc:
+        parser.error(str(exc))
     assets = asset_paths(workdir / "assets")  # where they will be; nothing is built before the checks pass
     ov = cpu_overrides(assets, steps=args.steps, precision=args.precision, sync_weights=not args.no_sync)
     ov += [f"trainer.default_local_dir={workdir / 'checkpoints'}", *args.overrides]

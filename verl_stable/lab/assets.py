@@ -127,6 +127,14 @@ def build_datasets(root: str | os.PathLike, spec: AssetSpec) -> tuple[Path, Path
     return paths[0], paths[1]
 
 
+def _read_marker(marker: Path) -> object:
+    """The build record, or None when it is missing or damaged (then the assets are rebuilt)."""
+    try:
+        return json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def asset_paths(root: str | os.PathLike) -> Assets:
     """Where :func:`ensure_assets` puts the assets under ``root``; builds nothing (for checks made before any work)."""
     root = Path(root)
@@ -139,7 +147,7 @@ def ensure_assets(root: str | os.PathLike, spec: AssetSpec | None = None) -> Ass
     assets = asset_paths(root)
     root, model_dir = assets.root, assets.model_dir
     marker = root / MARKER
-    if marker.exists() and json.loads(marker.read_text()) == asdict(spec) and assets.train_file.exists():
+    if _read_marker(marker) == asdict(spec) and assets.train_file.exists():
         return assets
     model_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(model_dir)

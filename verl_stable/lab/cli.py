@@ -110,6 +110,11 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
         # the sweep merges into this file at the end: refuse now rather than after minutes of runs
         print(f"cannot read the results already in --out: {exc}", file=sys.stderr)
         return 1
+    if not args.report_only:
+        try:
+            sweep.check_sweep(out_dir, preset, only=args.only, jobs=args.jobs, timeout_s=args.timeout)
+        except (ValueError, FileNotFoundError) as exc:
+            parser.error(str(exc))
     failed = 0
     if args.report_only:
         rows = existing

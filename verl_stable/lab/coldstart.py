@@ -158,8 +158,11 @@ def cold_start(
     out = Path(cache_root) / cache_key(spec, config)
     marker = out / MARKER
     if marker.exists():
-        info = json.loads(marker.read_text())
-        return ColdStartResult(out, info["expected_reward"], info["initial_expected_reward"], info["steps"], True)
+        try:
+            info = json.loads(marker.read_text())
+            return ColdStartResult(out, info["expected_reward"], info["initial_expected_reward"], info["steps"], True)
+        except (ValueError, KeyError, TypeError):
+            pass  # a damaged cache entry is rebuilt, like a missing one
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(str(assets.model_dir))

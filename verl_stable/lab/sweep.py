@@ -188,9 +188,13 @@ def is_complete(run_dir: Path, overrides: Sequence[str], steps: int) -> bool:
     done, metrics = run_dir / "done.json", run_dir / "metrics.jsonl"
     if not (done.exists() and metrics.exists()):
         return False
-    if json.loads(done.read_text()).get("digest") != overrides_digest(overrides):
+    try:
+        record = json.loads(done.read_text())
+        if not isinstance(record, dict) or record.get("digest") != overrides_digest(overrides):
+            return False
+        return len({r["step"] for r in read_metrics(metrics)}) >= steps
+    except (ValueError, KeyError, TypeError):  # a line cut short by a killed run: incomplete, run again
         return False
-    return len({r["step"] for r in read_metrics(metrics)}) >= steps
 
 
 def _set_aside(run_dir: Path) -> Path | None:
@@ -304,6 +308,39 @@ class _SweepProgress:
             self.bar.update(sum(self.done.values()), " + ".join(running) if running else label)
 
 
+def check_sweep(
+    out: str | Path,
+    preset: Preset,
+    *,
+    only: Sequence[str] | None = None,
+    jobs: int | None = None,
+    timeout_s: float | None = None,
+) -> list[RunSpec]:
+    """What :func:`run_sweep` checks before it builds or runs anything; returns the runs it would execute.
+
+    Raises:
+        ValueError: ``jobs`` < 1, a ``timeout_s`` that is not a positive number, an ``only`` prefix naming no run of
+            the preset, an ``out`` that is a file or that hydra cannot take in an override value, or an
+            ``out/metrics.jsonl`` that cannot be read (the sweep would have to overwrite it at the end).
+        FileNotFoundError: The recipe of one of the runs' variants is missing.
+    """
+    from verl_stable import recipes
+
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    if timeout_s is not None and not (0 < timeout_s < float("inf")):
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
+    specs = preset.select(only)
+    out = Path(out).resolve()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output directory {out} exists and is not a directory")
+    recipes.check_override_path(out, "output directory")  # every run's model and data paths lie below it
+    for variant in dict.fromkeys(s.variant for s in specs):
+        recipes.recipe_path("fsdp", V.get_variant(variant).recipe)
+    load_rows(out)
+    return specs
+
+
 def run_sweep(
     out: str | Path,
     preset: Preset,
@@ -326,16 +363,9 @@ def run_sweep(
     from verl_stable.cpu.launch import read_metrics
 
     jobs = default_jobs() if jobs is None else jobs
-    if jobs < 1:
-        raise ValueError(f"jobs must be >= 1, got {jobs}")
-    if timeout_s is not None and not (timeout_s > 0 and timeout_s != float("inf")):
-        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
     # refused here, before the assets and the cold start (tens of seconds) are built
-    specs = preset.select(only)
+    specs = check_sweep(out, preset, only=only, jobs=jobs, timeout_s=timeout_s)
     out = Path(out).resolve()
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"output directory {out} exists and is not a directory")
-    load_rows(out)  # an unreadable metrics.jsonl would have to be overwritten at the end: refuse now
     out.mkdir(parents=True, exist_ok=True)
     assets, cs = prepare(out, preset)
     (out / "coldstart.json").write_text(json.dumps({**asdict(cs), "model_dir": str(cs.model_dir)}, indent=1))
