@@ -64,6 +64,10 @@ def test_run_refuses_an_unknown_precision(tmp_path, no_work, capsys, extra):
             ["+actor_rollout_ref.rollout.engine_kwargs.hf.precision=fp9"],
             "hf rollout backend: unknown rollout precision 'fp9'; expected one of",
         ),
+        (
+            ["data.train_batch_size=3"],
+            "verl rejects the config: ValueError: train_batch_size (3) must be >= actor.ppo_mini_batch_size (4)",
+        ),
     ],
 )
 def test_run_refuses_bad_arguments_before_anything_starts(tmp_path, no_work, capsys, args, expected):
@@ -84,6 +88,7 @@ def test_print_overrides_checks_and_builds_nothing(tmp_path, no_work, capsys):
     argv = ["run", "--workdir", str(tmp_path / "w"), "trainer.val_before_train=True", "--precision", "bf16"]
     assert cli.main([*argv, "--print-overrides"]) == 0
     lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "trainer.device=cpu"  # only the overrides: the checks print nothing to stdout
     assert "+actor_rollout_ref.rollout.engine_kwargs.hf.precision=bf16" in lines
     assert lines[-1] == "trainer.val_before_train=True"  # an override before the options still comes last and wins
     assert not (tmp_path / "w").exists()

@@ -37,7 +37,9 @@ regime into a run of verl's trainer on the CPU runtime with the same N, loss and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import io
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -439,8 +441,9 @@ def preflight(overrides: Sequence[str], recipe: str | os.PathLike | None = None,
     Checks, in order: every override's syntax (:func:`check_override_syntax`); that the overrides compose on the
     recipe file (or on verl's own ``backend`` trainer config when ``recipe`` is None), as ``main_ppo`` would compose
     them; that every key the result has beyond verl's config is one verl or verl-stable defines
-    (:func:`is_known_key`); verl-stable's own options (:func:`option_problems`); that verl's workers can convert it
-    to their dataclasses (:func:`verl_configs`, without ``validate_config``, which ``main_ppo`` runs itself).
+    (:func:`is_known_key`); verl-stable's own options (:func:`option_problems`); verl's own ``validate_config``
+    (batch-size arithmetic ...) and the conversion to the dataclasses verl's workers build (:func:`verl_configs`),
+    which ``main_ppo`` would otherwise reach only after Ray and its workers have started.
 
     Raises:
         ValueError: The first check that fails, with a message naming what was expected.
@@ -461,8 +464,10 @@ def preflight(overrides: Sequence[str], recipe: str | os.PathLike | None = None,
     if problems:
         raise ValueError("; ".join(problems))
     try:
-        verl_configs(cfg, validate=False)
-    except Exception as exc:  # noqa: BLE001 - whatever verl's conversion raises is the refusal
+        # validate_config prints its verdict; stdout stays for what the caller prints (run --print-overrides)
+        with contextlib.redirect_stdout(io.StringIO()):
+            verl_configs(cfg, validate=True)
+    except Exception as exc:  # noqa: BLE001 - whatever verl's checks or conversion raise is the refusal
         raise ValueError(f"verl rejects the config: {type(exc).__name__}: {exc}") from None
     return cfg
 

@@ -87,8 +87,9 @@ def test_run_sweep_refuses_an_unknown_only_before_preparing(tmp_path, no_work):
         (["--steps", "0"], "argument --steps: expected an integer >= 1, got 0"),
         (["--steps", "-3"], "argument --steps: expected an integer >= 1, got -3"),
         (["--steps", "two"], "argument --steps: expected an integer >= 1, got 'two'"),
-        (["--seeds", "-1"], "argument --seeds: expected an integer >= 0, got -1"),
-        (["--seeds", "0.5"], "argument --seeds: expected an integer >= 0, got '0.5'"),
+        (["--seeds", "-1"], "argument --seeds: expected an integer in [0, 4294967295], got -1"),
+        (["--seeds", "4294967296"], "argument --seeds: expected an integer in [0, 4294967295], got 4294967296"),
+        (["--seeds", "0.5"], "argument --seeds: expected an integer in [0, 4294967295], got '0.5'"),
         (["--seeds", "0", "1", "0"], "seeds and (variant, N) runs must be distinct, got seeds=[0, 1, 0]"),
         (["--jobs", "0"], "argument --jobs: expected an integer >= 1, got 0"),
         (["--timeout", "0"], "argument --timeout: expected a number of seconds > 0, got '0'"),
@@ -114,7 +115,7 @@ def test_out_that_is_a_file_is_refused(tmp_path, no_work, capsys):
 
 
 def test_preset_refuses_negative_and_duplicate_seeds():
-    with pytest.raises(ValueError, match=r"seeds must be integers >= 0, got \[-1\]"):
+    with pytest.raises(ValueError, match=r"seeds must be integers in \[0, 4294967295\], got \[-1\]"):
         sweep.Preset("x", runs=(("minirl", 1),), steps=1, seeds=(0, -1))
     with pytest.raises(ValueError, match="must be distinct"):
         sweep.Preset("x", runs=(("minirl", 1), ("minirl", 1)), steps=1)

@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from verl_stable.lab.sweep import MAX_SEED
+
 
 def _positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
@@ -34,13 +36,14 @@ def _positive_int(text: str) -> int:
 
 
 def _seed(text: str) -> int:
-    """argparse type: an integer >= 0 (verl seeds numpy and torch with it)."""
+    """argparse type: an integer in [0, 2**32) (verl seeds numpy and torch generators with it)."""
+    expected = f"expected an integer in [0, {MAX_SEED}]"
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+        raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"{expected}, got {value}")
     return value
 
 

@@ -48,6 +48,8 @@ from verl_stable.lab.assets import Assets, AssetSpec, ensure_assets
 from verl_stable.lab.coldstart import ColdStartConfig, ColdStartResult, cold_start
 from verl_stable.lab.progress import ProgressBar
 
+MAX_SEED = 2**32 - 1  # numpy's seed range; verl seeds its data shuffling with data.seed
+
 
 @dataclass(frozen=True)
 class RunSpec:
@@ -93,9 +95,9 @@ class Preset:
     def __post_init__(self) -> None:
         if self.steps < 1 or not self.seeds or not self.runs:
             raise ValueError(f"preset {self.name!r} needs steps >= 1, a seed and a run")
-        bad_seeds = [s for s in self.seeds if isinstance(s, bool) or not isinstance(s, int) or s < 0]
+        bad_seeds = [s for s in self.seeds if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= MAX_SEED]
         if bad_seeds:
-            raise ValueError(f"preset {self.name!r}: seeds must be integers >= 0, got {bad_seeds}")
+            raise ValueError(f"preset {self.name!r}: seeds must be integers in [0, {MAX_SEED}], got {bad_seeds}")
         # two runs of one name would share (and clobber) one run directory
         if len(set(self.seeds)) != len(self.seeds) or len(set(self.runs)) != len(self.runs):
             raise ValueError(
