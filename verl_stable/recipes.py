@@ -475,8 +475,8 @@ def preflight(overrides: Sequence[str], recipe: str | os.PathLike | None = None,
 def check_override_path(path: str | os.PathLike, what: str) -> None:
     """Refuse a path that cannot travel to verl inside an unquoted hydra override value (``data.train_files=PATH``).
 
-    Hydra's grammar rejects ``= [ ] { } ' # ``, non-ASCII letters and more in such a value, reads a comma as a sweep
-    over several values and ``${`` as an interpolation; verl would fail on it only after the assets were built.
+    Hydra's grammar rejects ``= [ ] { } ( ) ~ ' #``, non-ASCII letters and more in such a value, reads a comma as a
+    sweep over several values and ``${`` as an interpolation; verl would fail on it only after the assets were built.
 
     Raises:
         ValueError: Naming ``what`` (e.g. ``--workdir``), the path and the characters that are safe.
@@ -491,7 +491,7 @@ def check_override_path(path: str | os.PathLike, what: str) -> None:
     if not safe:
         raise ValueError(
             f"{what} {value!r} cannot be passed to verl in a hydra override; expected a path of ASCII letters, "
-            "digits, spaces and / . _ - + ~ @ (no , = [ ] { } ( ) ' \" # or non-ASCII characters)"
+            "digits, spaces and / . _ - + @ : (hydra refuses , = [ ] { } ( ) ~ ' \" # ! & ; and non-ASCII there)"
         )
 
 

@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from verl_stable.lab.sweep import MAX_SEED
+from verl_stable.lab.variants import PRECISIONS
 
 
 def _positive_int(text: str) -> int:
@@ -84,8 +85,8 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
     parser.add_argument("--preset", default="default", choices=sorted(sweep.PRESETS))
     parser.add_argument("--out", default="./verl_stable_lab", help="output directory (runs, cache, report)")
     parser.add_argument("--steps", type=_positive_int, help="override the preset's RL steps per run")
-    parser.add_argument("--seeds", type=_seed, nargs="+", help="override the preset's seeds (distinct, >= 0)")
-    parser.add_argument("--precision", choices=("fp8", "bf16", "fp16", "fp32"), help="rollout precision")
+    parser.add_argument("--seeds", type=_seed, nargs="+", help="override the preset's seeds (distinct, in [0, 2**32))")
+    parser.add_argument("--precision", choices=PRECISIONS, help="rollout precision")
     parser.add_argument("--only", nargs="+", help="run names starting with these (e.g. minirl_r3__N4)")
     parser.add_argument("--timeout", type=_seconds, help="per-run wall-clock limit in seconds")
     parser.add_argument(
