@@ -235,3 +235,12 @@ def test_run_refuses_a_workdir_hydra_cannot_carry(tmp_path, no_work, capsys, nam
 def test_run_accepts_a_workdir_with_spaces(tmp_path, no_work, capsys):
     assert cli.main(["run", "--workdir", str(tmp_path / "my run"), "--print-overrides"]) == 0
     assert f"trainer.default_local_dir={tmp_path / 'my run' / 'checkpoints'}" in capsys.readouterr().out
+
+
+def test_run_refuses_a_workdir_below_a_file_or_unwritable(tmp_path, no_work, capsys, monkeypatch):
+    (tmp_path / "f").write_text("mine")
+    err = _refused(["run", "--workdir", str(tmp_path / "f" / "w")], capsys)
+    assert f"--workdir {tmp_path / 'f' / 'w'} lies below the file {tmp_path / 'f'}; expected a directory" in err
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    err = _refused(["run", "--workdir", str(tmp_path / "w")], capsys)
+    assert f"--workdir {tmp_path / 'w'} cannot be written: {tmp_path} is not writable by this user" in err

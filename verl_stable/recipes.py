@@ -472,6 +472,28 @@ def preflight(overrides: Sequence[str], recipe: str | os.PathLike | None = None,
     return cfg
 
 
+def check_output_dir(path: str | os.PathLike, what: str) -> Path:
+    """Refuse, before any work, a directory that a run could not create or write, or could not name to verl.
+
+    Returns:
+        The resolved path.
+
+    Raises:
+        ValueError: ``path`` is a file or lies below one, its nearest existing ancestor is not writable, or hydra
+            cannot carry it (:func:`check_override_path`); the message starts with ``what`` (e.g. ``--workdir``).
+    """
+    path = Path(path).resolve()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{what} {path} is a file; expected a directory (created if missing)")
+    nearest = next(p for p in (path, *path.parents) if p.exists())
+    if not nearest.is_dir():
+        raise ValueError(f"{what} {path} lies below the file {nearest}; expected a directory (created if missing)")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {path} cannot be written: {nearest} is not writable by this user")
+    check_override_path(path, what)
+    return path
+
+
 def check_override_path(path: str | os.PathLike, what: str) -> None:
     """Refuse a path that cannot travel to verl inside an unquoted hydra override value (``data.train_files=PATH``).
 
@@ -761,8 +783,8 @@ def run_on_cpu(
     ``main_ppo``'s exit code.
 
     Raises:
-        ValueError: An unknown regime or task, ``steps`` below 1, a ``workdir`` that is a file, or overrides that
-            :func:`preflight` refuses; raised before anything is built or started.
+        ValueError: An unknown regime or task, ``steps`` below 1, a ``workdir`` that :func:`check_output_dir`
+            refuses, or overrides that :func:`preflight` refuses; raised before anything is built or started.
     """
     from verl_stable.cpu import launch
     from verl_stable.lab import tasks
@@ -773,10 +795,7 @@ def run_on_cpu(
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     if task not in tasks.TASKS:
         raise ValueError(f"unknown task {task!r}; expected one of {tasks.TASKS}")
-    workdir = Path(workdir).resolve()
-    if workdir.exists() and not workdir.is_dir():
-        raise ValueError(f"workdir {workdir} is a file; expected a directory (created if missing)")
-    check_override_path(workdir, "workdir")
+    workdir = check_output_dir(workdir, "workdir")
     path = recipe_path("fsdp", regime)
     ov = cpu_overrides(regime, asset_paths(workdir / "assets"), steps=steps)
     ov += [f"trainer.default_local_dir={workdir / 'checkpoints'}", *overrides]

@@ -7,6 +7,7 @@ when called.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -358,7 +359,7 @@ def test_a_damaged_cold_start_cache_entry_is_rebuilt(tmp_path, monkeypatch):
 def test_an_out_hydra_cannot_carry_is_refused_before_any_work(tmp_path, no_work, capsys, name):
     code, err = _exit_code(["--out", str(tmp_path / name)], capsys)
     assert code == 2
-    assert f"output directory {str(tmp_path / name)!r} cannot be passed to verl in a hydra override" in err
+    assert f"--out {str(tmp_path / name)!r} cannot be passed to verl in a hydra override" in err
     assert "expected a path of ASCII letters, digits, spaces and / . _ - + @ :" in err
 
 
@@ -368,3 +369,20 @@ def test_missing_recipes_are_refused_before_any_work(tmp_path, no_work, capsys, 
     monkeypatch.setenv(recipes.RECIPES_ENV, str(tmp_path / "nowhere"))
     code, err = _exit_code(["--out", str(tmp_path / "lab")], capsys)
     assert code == 2 and f"{recipes.RECIPES_ENV}={tmp_path / 'nowhere'} is not a verl-stable recipes directory" in err
+
+
+def test_run_sweep_refuses_an_out_hydra_cannot_carry(tmp_path, no_work):
+    with pytest.raises(ValueError, match="output directory '.*a,b' cannot be passed to verl in a hydra override"):
+        sweep.run_sweep(tmp_path / "a,b", sweep.PRESETS["mini"], jobs=1)
+
+
+def test_an_out_below_a_file_or_unwritable_is_refused_before_any_work(tmp_path, no_work, capsys, monkeypatch):
+    (tmp_path / "f").write_text("mine")
+    code, err = _exit_code(["--out", str(tmp_path / "f" / "lab")], capsys)
+    assert (
+        code == 2
+        and f"--out {tmp_path / 'f' / 'lab'} lies below the file {tmp_path / 'f'}; expected a directory" in err
+    )
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    code, err = _exit_code(["--out", str(tmp_path / "lab")], capsys)
+    assert code == 2 and f"--out {tmp_path / 'lab'} cannot be written: {tmp_path} is not writable by this user" in err

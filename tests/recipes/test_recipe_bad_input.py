@@ -258,3 +258,9 @@ def test_check_of_a_recipe_file_that_is_not_a_mapping_reports_it(tmp_path, monke
 def test_run_cpu_refuses_a_workdir_hydra_cannot_carry(tmp_path, capsys, no_run, name):
     err = _refused(["run-cpu", "vespo", "--workdir", str(tmp_path / name)], capsys)
     assert f"workdir {str(tmp_path / name)!r} cannot be passed to verl in a hydra override; expected a path" in err
+
+
+def test_run_cpu_refuses_a_workdir_below_a_file(tmp_path, capsys, no_run):
+    (tmp_path / "f").write_text("mine")
+    err = _refused(["run-cpu", "vespo", "--workdir", str(tmp_path / "f" / "w")], capsys)
+    assert f"workdir {tmp_path / 'f' / 'w'} lies below the file {tmp_path / 'f'}; expected a directory" in err

@@ -280,11 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--print-overrides", action="store_true", help="print the overrides and exit")
     parser.add_argument("overrides", nargs="*", help="extra hydra overrides key=value (appended, they win)")
     args = parser.parse_intermixed_args(argv)  # overrides may come before or after the options
-    workdir = Path(args.workdir).resolve()
-    if workdir.exists() and not workdir.is_dir():
-        parser.error(f"--workdir {workdir} is a file; expected a directory (created if missing)")
     try:
-        recipes.check_override_path(workdir, "--workdir")
+        workdir = recipes.check_output_dir(args.workdir, "--workdir")
     except ValueError as exc:
         parser.error(str(exc))
     assets = asset_paths(workdir / "assets")  # where they will be; nothing is built before the checks pass

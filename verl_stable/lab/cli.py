@@ -108,6 +108,13 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
     out_dir = Path(args.out).resolve()
     if out_dir.exists() and not out_dir.is_dir():
         parser.error(f"--out {out_dir} is a file; expected a directory (created if missing)")
+    if not args.report_only:
+        from verl_stable import recipes
+
+        try:
+            recipes.check_output_dir(out_dir, "--out")
+        except ValueError as exc:
+            parser.error(str(exc))
     try:
         existing = sweep.load_rows(out_dir)
     except ValueError as exc:

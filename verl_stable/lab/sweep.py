@@ -322,7 +322,7 @@ def check_sweep(
 
     Raises:
         ValueError: ``jobs`` < 1, a ``timeout_s`` that is not a positive number, an ``only`` prefix naming no run of
-            the preset, an ``out`` that is a file or that hydra cannot take in an override value, or an
+            the preset, an ``out`` that :func:`verl_stable.recipes.check_output_dir` refuses, or an
             ``out/metrics.jsonl`` that cannot be read (the sweep would have to overwrite it at the end).
         FileNotFoundError: The recipe of one of the runs' variants is missing.
     """
@@ -333,10 +333,7 @@ def check_sweep(
     if timeout_s is not None and not (0 < timeout_s < float("inf")):
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
     specs = preset.select(only)
-    out = Path(out).resolve()
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"output directory {out} exists and is not a directory")
-    recipes.check_override_path(out, "output directory")  # every run's model and data paths lie below it
+    out = recipes.check_output_dir(out, "output directory")  # every run's model and data paths lie below it
     for variant in dict.fromkeys(s.variant for s in specs):
         recipes.recipe_path("fsdp", V.get_variant(variant).recipe)
     load_rows(out)
