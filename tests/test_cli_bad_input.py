@@ -108,13 +108,16 @@ def test_each_run_gets_its_own_ray_tmpdir(tmp_path, monkeypatch):
     try:
         launch.run_main_ppo(["x=1"], a)
         launch.run_main_ppo(["x=1"], b)
+        dirs = [Path(env["RAY_TMPDIR"]) for env in seen]
+        assert dirs[0] == a / launch.RAY_TMPDIR_NAME
+        assert dirs[0] != dirs[1] and all(d.is_dir() for d in dirs)
     finally:
         import shutil
 
         shutil.rmtree(a, ignore_errors=True)
-    dirs = [Path(env["RAY_TMPDIR"]) for env in seen]
-    assert dirs[0] == a / launch.RAY_TMPDIR_NAME
-    assert dirs[0] != dirs[1] and all(d.is_dir() for d in dirs[1:])
+        for env in seen[1:]:
+            if not Path(env["RAY_TMPDIR"]).is_relative_to(tmp_path):  # b's short private dir in the system temp dir
+                shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
 
 
 def test_a_deep_workdir_gets_a_short_private_ray_tmpdir(tmp_path):
