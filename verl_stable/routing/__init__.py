@@ -7,11 +7,17 @@ Usage::
     with capture(model) as rec:  # records, outputs unchanged
         model(input_ids, attention_mask=mask)
     trace = rec.trace  # RoutingTrace of the valid tokens, row-major over the batch
-    ids = trace.to_tensor()  # LongTensor [valid_tokens, moe_layers, top_k], -1 = no data
-    trace2 = RoutingTrace.from_tensor(ids, num_experts=E)
+    ids = trace.to_tensor()  # LongTensor [valid_tokens, moe_layers, top_k], -1 = no data (ids only)
+    # the dense form drops the per-sequence lengths and the decoder layer of each MoE ordinal: pass them back
+    trace2 = RoutingTrace.from_tensor(ids, trace.num_experts, trace.lengths, trace.layer_indices)
     with replay(model, trace2) as rp:  # forces that routing in every MoE layer
         model(input_ids, attention_mask=mask)
     rp.stats  # replayed / missing / padding rows
+
+``trace.state_dict()`` / ``RoutingTrace.from_state_dict`` keep every field (for ``torch.save`` or a Ray object).
+Every entry point validates what it is given (ids in range and distinct per row, integer counts, matching
+layouts) before narrowing it, and raises a typed error (``RoutingTraceError``, ``codecs.RoutingFormatError``,
+``UnsupportedModelError``) that names what was expected.
 """
 
 from verl_stable.routing.disagreement import expert_sets_differ, routing_disagreement

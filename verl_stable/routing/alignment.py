@@ -23,15 +23,20 @@ Layer axis: rollout engines and verl's ``routed_experts`` index routing by absol
 ``num_hidden_layers`` (dense layers hold zero rows); :func:`select_layers` / :func:`scatter_layers` convert
 between that and the MoE-layer ordinal used inside a routing trace.
 
-Everything here is pure torch and never imports verl.
+Every function checks its inputs (tensor types, integer dtypes, 0/1 masks, integer sizes, boundaries that fit the
+rows) and raises ``TypeError`` for a wrong type or dtype and ``ValueError`` for a wrong shape or value, naming what
+was expected. Everything here is pure torch and never imports verl.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from verl_stable.routing.trace import require_int
 
 __all__ = [
     "AlignedRows",
@@ -62,6 +67,9 @@ class AlignedRows:
     has_data: torch.Tensor
 
     def __post_init__(self) -> None:
+        _check_rows(self.ids, "AlignedRows.ids")
+        if not isinstance(self.has_data, torch.Tensor):
+            raise TypeError(f"AlignedRows.has_data must be a bool tensor, got {type(self.has_data).__name__}")
         if self.ids.dim() != 3:
             raise ValueError(f"AlignedRows.ids must be [rows, layers, top_k], got shape {tuple(self.ids.shape)}")
         if self.has_data.shape != self.ids.shape[:1] or self.has_data.dtype != torch.bool:
@@ -84,16 +92,33 @@ class AlignedRows:
         return self.ids[self.has_data]
 
 
+def _int(value: Any, what: str, minimum: int | None = 0) -> int:
+    """An integer argument: TypeError for a float / bool / other type, ValueError below ``minimum``."""
+    out = require_int(value, what, error=TypeError)
+    if minimum is not None and out < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {out}")
+    return out
+
+
+def _require_integer_tensor(value: Any, name: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.is_nested:
+        raise TypeError(f"{name} must be a dense torch.Tensor, got {type(value).__name__}")
+    if value.dtype.is_floating_point or value.dtype == torch.bool or value.is_complex():
+        raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
+    return value
+
+
 def _check_rows(rows: torch.Tensor, name: str = "rows") -> None:
-    if not isinstance(rows, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(rows).__name__}")
+    if not isinstance(rows, torch.Tensor) or rows.is_nested:
+        raise TypeError(f"{name} must be a dense torch.Tensor, got {type(rows).__name__}")
     if rows.dim() != 3:
         raise ValueError(f"{name} must be [tokens, layers, top_k], got shape {tuple(rows.shape)}")
     if rows.dtype.is_floating_point or rows.dtype == torch.bool or rows.is_complex():
         raise TypeError(f"{name} must hold integer expert ids, got dtype {rows.dtype}")
 
 
-def _check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+def _check_cu_seqlens(cu_seqlens: torch.Tensor, total: int | None) -> torch.Tensor:
+    _require_integer_tensor(cu_seqlens, "cu_seqlens")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise ValueError(f"cu_seqlens must be a 1-D tensor [batch + 1], got shape {tuple(cu_seqlens.shape)}")
     cu = cu_seqlens.to(device="cpu", dtype=torch.long)
@@ -101,7 +126,7 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
         raise ValueError(f"cu_seqlens must start at 0, got {int(cu[0])}")
     if bool((cu[1:] < cu[:-1]).any()):
         raise ValueError(f"cu_seqlens must be non-decreasing, got {cu.tolist()}")
-    if int(cu[-1]) != total:
+    if total is not None and int(cu[-1]) != total:
         raise ValueError(
             f"cu_seqlens ends at {int(cu[-1])} tokens but the routing holds {total} rows: the routing rows do "
             "not belong to this micro-batch's input_ids"
@@ -111,21 +136,31 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 
 def lengths_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Per-sample lengths ``len_b = cu[b + 1] - cu[b]`` as a CPU LongTensor."""
-    cu = cu_seqlens.to(device="cpu", dtype=torch.long)
+    cu = _check_cu_seqlens(cu_seqlens, None)
     return cu[1:] - cu[:-1]
 
 
 def _default_has_data(rows: torch.Tensor, has_data: torch.Tensor | None) -> torch.Tensor:
     if has_data is None:
         return torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
+    if not isinstance(has_data, torch.Tensor) or has_data.is_nested:
+        raise TypeError(f"has_data must be a bool tensor, got {type(has_data).__name__}")
     if has_data.shape != rows.shape[:1]:
         raise ValueError(f"has_data must be [{rows.shape[0]}], got {tuple(has_data.shape)}")
+    _require_zero_one(has_data, "has_data")
     return has_data.to(device=rows.device, dtype=torch.bool)
 
 
+def _require_zero_one(mask: torch.Tensor, name: str) -> None:
+    """A mask holds only 0 and 1 (bool, integer or float): 0.5 or 2 would be read as True."""
+    if mask.is_complex():
+        raise TypeError(f"{name} must be a 0/1 mask, got dtype {mask.dtype}")
+    if mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError(f"{name} must hold only 0 and 1 (or True/False)")
+
+
 def _append_missing(rows: AlignedRows, count: int) -> AlignedRows:
-    if count < 0:
-        raise ValueError(f"pad size must be >= 0, got {count}")
+    count = _int(count, "pad size")
     if count == 0:
         return rows
     ids = torch.cat([rows.ids, rows.ids.new_zeros((count, *rows.ids.shape[1:]))])
@@ -152,6 +187,7 @@ def packed_layout(
     """
     _check_rows(rows)
     _check_cu_seqlens(cu_seqlens, rows.shape[0])
+    static_pad = _int(static_pad, "static_pad")
     return _append_missing(AlignedRows(rows, _default_has_data(rows, has_data)), static_pad)
 
 
@@ -164,8 +200,10 @@ def ulysses_shard(rows: AlignedRows, sp_size: int, sp_rank: int) -> tuple[Aligne
     Returns:
         (the rank's rows, ``p``), ``p`` being the number of pad rows appended to the global sequence.
     """
-    if sp_size < 1:
-        raise ValueError(f"sp_size must be >= 1, got {sp_size}")
+    if not isinstance(rows, AlignedRows):
+        raise TypeError(f"ulysses_shard needs AlignedRows (from packed_layout), got {type(rows).__name__}")
+    sp_size = _int(sp_size, "sp_size", minimum=1)
+    sp_rank = _int(sp_rank, "sp_rank", minimum=None)
     if not 0 <= sp_rank < sp_size:
         raise ValueError(f"sp_rank must be in [0, {sp_size}), got {sp_rank}")
     if sp_size == 1:
@@ -179,12 +217,24 @@ def ulysses_shard(rows: AlignedRows, sp_size: int, sp_rank: int) -> tuple[Aligne
 
 def unshard_ulysses(shards: Sequence[torch.Tensor], pad: int) -> torch.Tensor:
     """Inverse of :func:`ulysses_shard` for per-rank tensors: concatenate ranks, drop the ``pad`` tail rows."""
+    shards = list(shards)
     if not shards:
         raise ValueError("unshard_ulysses needs at least one shard")
+    for i, shard in enumerate(shards):
+        if not isinstance(shard, torch.Tensor) or shard.is_nested or shard.dim() < 1:
+            raise TypeError(
+                f"Ulysses shard {i} must be a dense tensor with a row dimension, got {type(shard).__name__}"
+            )
+        if shard.shape[1:] != shards[0].shape[1:] or shard.dtype != shards[0].dtype:
+            raise ValueError(
+                f"Ulysses shard {i} is {shard.dtype} {tuple(shard.shape)}, shard 0 {shards[0].dtype} "
+                f"{tuple(shards[0].shape)}: every shard must have the same row shape and dtype"
+            )
     sizes = {int(s.shape[0]) for s in shards}
     if len(sizes) != 1:
         raise ValueError(f"every Ulysses shard must have the same number of rows, got {sorted(sizes)}")
-    full = torch.cat(list(shards))
+    full = torch.cat(shards)
+    pad = _int(pad, "pad")
     if not 0 <= pad <= full.shape[0]:
         raise ValueError(f"pad must be in [0, {full.shape[0]}], got {pad}")
     return full[: full.shape[0] - pad]
@@ -210,8 +260,9 @@ def padded_layout(
     cu = _check_cu_seqlens(cu_seqlens, rows.shape[0])
     lengths = cu[1:] - cu[:-1]
     batch = lengths.numel()
-    width = int(lengths.max()) if max_seq_len is None and batch else int(max_seq_len or 0)
-    if batch and width < int(lengths.max()):
+    longest = int(lengths.max()) if batch else 0
+    width = longest if max_seq_len is None else _int(max_seq_len, "max_seq_len")
+    if width < longest:
         raise ValueError(f"max_seq_len={width} is shorter than the longest sample ({int(lengths.max())} tokens)")
     source_has_data = _default_has_data(rows, has_data)
     position = torch.arange(width).unsqueeze(0)
@@ -231,9 +282,14 @@ def rows_from_padded_layout(flat_rows: torch.Tensor, cu_seqlens: torch.Tensor, m
     Returns:
         ``[total_nnz, ...]`` rows, sample after sample.
     """
-    cu = cu_seqlens.to(device="cpu", dtype=torch.long)
+    if not isinstance(flat_rows, torch.Tensor) or flat_rows.is_nested or flat_rows.dim() < 1:
+        raise TypeError(f"flat_rows must be a dense tensor [B * S_max, ...], got {type(flat_rows).__name__}")
+    cu = _check_cu_seqlens(cu_seqlens, None)
     lengths = cu[1:] - cu[:-1]
     batch = lengths.numel()
+    max_seq_len = _int(max_seq_len, "max_seq_len")
+    if batch and int(lengths.max()) > max_seq_len:
+        raise ValueError(f"max_seq_len={max_seq_len} is shorter than the longest sample ({int(lengths.max())} tokens)")
     if flat_rows.shape[0] != batch * max_seq_len:
         raise ValueError(
             f"expected {batch} x {max_seq_len} = {batch * max_seq_len} router rows, got {flat_rows.shape[0]}"
@@ -251,13 +307,18 @@ def unpad_rows(padded: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torc
     Returns:
         (``[total_nnz, L, K]`` rows, ``[B + 1]`` cu_seqlens).
     """
+    if not isinstance(padded, torch.Tensor) or padded.is_nested:
+        raise TypeError(f"padded routing must be a dense tensor, got {type(padded).__name__}")
     if padded.dim() != 4:
         raise ValueError(f"padded routing must be [batch, seq, layers, top_k], got shape {tuple(padded.shape)}")
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.is_nested:
+        raise TypeError(f"attention_mask must be a dense tensor, got {type(attention_mask).__name__}")
     if attention_mask.shape != padded.shape[:2]:
         raise ValueError(
             f"attention_mask {tuple(attention_mask.shape)} does not match routing [batch, seq] "
             f"{tuple(padded.shape[:2])}"
         )
+    _require_zero_one(attention_mask, "attention_mask")
     valid = attention_mask.to(device=padded.device).bool()
     lengths = valid.sum(dim=1).to(device="cpu", dtype=torch.long)
     cu = torch.zeros(lengths.numel() + 1, dtype=torch.long)
@@ -291,7 +352,7 @@ def rows_with_data(ids: torch.Tensor) -> torch.Tensor:
 def select_layers(rows: torch.Tensor, moe_layers: Sequence[int]) -> torch.Tensor:
     """Absolute decoder-layer routing ``[N, num_hidden_layers, K]`` -> MoE-layer ordinal ``[N, len(moe_layers), K]``."""
     _check_rows(rows)
-    layers = list(moe_layers)
+    layers = _layer_list(moe_layers)
     if any(not 0 <= layer < rows.shape[1] for layer in layers):
         raise ValueError(
             f"MoE layers {layers} do not fit routing with {rows.shape[1]} decoder layers: expected routing indexed "
@@ -303,7 +364,8 @@ def select_layers(rows: torch.Tensor, moe_layers: Sequence[int]) -> torch.Tensor
 def scatter_layers(rows: torch.Tensor, moe_layers: Sequence[int], num_hidden_layers: int) -> torch.Tensor:
     """MoE-layer ordinal routing ``[N, M, K]`` -> absolute decoder layers ``[N, num_hidden_layers, K]``, dense = 0."""
     _check_rows(rows)
-    layers = list(moe_layers)
+    layers = _layer_list(moe_layers)
+    num_hidden_layers = _int(num_hidden_layers, "num_hidden_layers", minimum=1)
     if len(layers) != rows.shape[1]:
         raise ValueError(f"routing has {rows.shape[1]} MoE layers but {len(layers)} MoE layer indices were given")
     if any(not 0 <= layer < num_hidden_layers for layer in layers):
@@ -311,3 +373,13 @@ def scatter_layers(rows: torch.Tensor, moe_layers: Sequence[int], num_hidden_lay
     out = rows.new_zeros((rows.shape[0], num_hidden_layers, rows.shape[2]))
     out[:, layers] = rows
     return out
+
+
+def _layer_list(moe_layers: Sequence[int]) -> list[int]:
+    """Distinct integer layer indices (a repeated layer would be selected twice or scattered over itself)."""
+    if isinstance(moe_layers, (str, bytes)) or not isinstance(moe_layers, (Sequence, torch.Tensor)):
+        raise TypeError(f"moe_layers must be a sequence of integers, got {type(moe_layers).__name__}")
+    layers = [_int(layer, "moe_layers entry", minimum=None) for layer in list(moe_layers)]
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"moe_layers must be distinct, got {layers}")
+    return layers

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -78,23 +79,47 @@ def sigmoid_gate_weights(site: nn.Module, logits: torch.Tensor, ids: torch.Tenso
 
 
 # ------------------------------------------------------------------------------------- MoE layer rules
+def config_int(config: Any, attr: str, default: int | None = None, *, minimum: int = 0) -> int:
+    """An integer config attribute (``None`` / absent -> ``default``); a non-integer, fractional or too small value
+    raises :class:`UnsupportedModelError` naming the attribute (never truncated: ``8.5`` experts is not 8)."""
+    value = getattr(config, attr, None)
+    if value is None and default is not None:
+        return default
+    return _as_config_int(value, attr, minimum)
+
+
+def _as_config_int(value: Any, attr: str, minimum: int = 0) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise UnsupportedModelError(f"config {attr} must be an integer, got {type(value).__name__} {value!r:.80}")
+    if value < minimum:
+        raise UnsupportedModelError(f"config {attr} must be >= {minimum}, got {value}")
+    return int(value)
+
+
 def every_layer(config: Any) -> tuple[int, ...]:
     """Every decoder layer is MoE."""
-    return tuple(range(config.num_hidden_layers))
+    return tuple(range(config_int(config, "num_hidden_layers")))
 
 
 def qwen_sparse_layers(config: Any) -> tuple[int, ...]:
     """Qwen2/3-MoE: MoE unless in ``mlp_only_layers``, every ``decoder_sparse_step``-th layer, if experts > 0."""
-    only_dense = set(getattr(config, "mlp_only_layers", None) or ())
-    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
-    if int(getattr(config, "num_experts", 0) or 0) <= 0:
+    only = getattr(config, "mlp_only_layers", None) or ()
+    if isinstance(only, (str, bytes)) or not isinstance(only, (list, tuple, set, frozenset)):
+        raise UnsupportedModelError(f"config mlp_only_layers must be a list of layer indices, got {only!r:.80}")
+    only_dense = {_as_config_int(i, "mlp_only_layers entry") for i in only}
+    step = config_int(config, "decoder_sparse_step", 1) or 1
+    if config_int(config, "num_experts", 0) <= 0:
         return ()
-    return tuple(i for i in range(config.num_hidden_layers) if i not in only_dense and (i + 1) % step == 0)
+    return tuple(
+        i for i in range(config_int(config, "num_hidden_layers")) if i not in only_dense and (i + 1) % step == 0
+    )
 
 
 def after_first_k_dense(config: Any) -> tuple[int, ...]:
     """DeepSeek-V3 / GLM-4.5: dense below ``first_k_dense_replace``, MoE from there on."""
-    return tuple(range(int(getattr(config, "first_k_dense_replace", 0) or 0), config.num_hidden_layers))
+    return tuple(range(config_int(config, "first_k_dense_replace", 0), config_int(config, "num_hidden_layers")))
 
 
 # -------------------------------------------------------------------------------------------- specs
@@ -242,8 +267,9 @@ def layout_from_config(config: Any) -> RoutingLayout:
     """The RoutingLayout a config implies (raises UnsupportedModelError for unknown or expert-less models)."""
     spec = family_for(config)
     text = text_config(config)
-    num_experts = int(getattr(text, spec.num_experts_attr, 0) or 0)
-    top_k = int(getattr(text, spec.top_k_attr, 0) or 0)
+    num_experts = config_int(text, spec.num_experts_attr, 0)
+    top_k = config_int(text, spec.top_k_attr, 0)
+    num_hidden_layers = config_int(text, "num_hidden_layers", minimum=1)
     moe_layers = spec.moe_layers(text)
     if num_experts <= 0 or top_k <= 0 or not moe_layers:
         raise UnsupportedModelError(
@@ -255,7 +281,7 @@ def layout_from_config(config: Any) -> RoutingLayout:
     return RoutingLayout(
         family=spec.name,
         model_type=str(getattr(config, "model_type", spec.name)),
-        num_hidden_layers=int(text.num_hidden_layers),
+        num_hidden_layers=num_hidden_layers,
         moe_layers=tuple(moe_layers),
         top_k=top_k,
         num_experts=num_experts,
@@ -337,6 +363,10 @@ def bind_model(model: nn.Module, config: Any | None = None) -> ModelRouting:
     Raises:
         UnsupportedModelError: unknown family, sites not matching the config's MoE layers, replaced MoE blocks.
     """
+    if not isinstance(model, nn.Module):
+        raise UnsupportedModelError(
+            f"bind_model needs a torch.nn.Module (a transformers model), got {type(model).__name__}"
+        )
     config = _find_config(model) if config is None else config
     spec = family_for(config)
     layout = layout_from_config(config)
@@ -394,12 +424,13 @@ def describe_model_routing(config_or_path: Any) -> dict[str, Any]:
         report["reason"] = str(exc)
         return report
     spec = family_for(config)
+    moe = set(layout.moe_layers)  # once, not per layer
     report.update(
         replayable=True,
         family=layout.family,
         num_hidden_layers=layout.num_hidden_layers,
         moe_layers=list(layout.moe_layers),
-        dense_layers=[i for i in range(layout.num_hidden_layers) if i not in set(layout.moe_layers)],
+        dense_layers=[i for i in range(layout.num_hidden_layers) if i not in moe],
         top_k=layout.top_k,
         num_experts=layout.num_experts,
         trace_dtype=str(layout.trace_dtype).removeprefix("torch."),
@@ -413,10 +444,15 @@ def _load_config(source: Any) -> Any:
     if isinstance(source, dict):
         from transformers import AutoConfig
 
-        if "model_type" not in source:
-            raise UnsupportedModelError("config dict has no 'model_type'")
+        if not isinstance(source.get("model_type"), str):
+            raise UnsupportedModelError(
+                f"config dict has no string 'model_type' (got {source.get('model_type')!r:.80})"
+            )
         kwargs = {k: v for k, v in source.items() if k != "model_type"}
-        return AutoConfig.for_model(source["model_type"], **kwargs)
+        try:
+            return AutoConfig.for_model(source["model_type"], **kwargs)
+        except (TypeError, KeyError, AttributeError) as exc:  # transformers' own errors on odd values
+            raise UnsupportedModelError(f"config dict does not build a config: {type(exc).__name__}: {exc}") from exc
     if isinstance(source, (str, Path)):
         from transformers import AutoConfig
 
@@ -431,6 +467,8 @@ def _load_config(source: Any) -> Any:
 
 def format_routing_report(report: dict[str, Any]) -> str:
     """Human-readable lines for ``verl-stable doctor --model``."""
+    if not isinstance(report, dict) or not {"replayable", "reason"} <= report.keys():
+        raise ValueError(f"expected a describe_model_routing report dict, got {type(report).__name__}")
     if not report["replayable"]:
         return f"routing replay: NOT supported ({report['reason']})"
     lines = [

@@ -23,6 +23,10 @@ Two carriers:
 Both expand, on the actor, to a token-aligned :class:`~verl_stable.routing.trace.RoutingTrace` whose invalid rows
 (positions the engine did not record: the last sampled token, prefix offsets, tool output after the last turn)
 keep the model's own routing. Pure torch/numpy; no verl import.
+
+Everything that arrives here is checked before it is narrowed or indexed: routing ids against the layout (range,
+distinct ids per row, as at the engine boundary), spans and lengths as non-negative integers, packed index arrays
+for consistency. Malformed routing raises a :class:`~verl_stable.routing.codecs.RoutingFormatError`.
 """
 
 from __future__ import annotations
@@ -33,8 +37,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from verl_stable.routing.codecs import LayerMapError, RoutedRows, RowCountError, rows_to_trace, smallest_uint_dtype
-from verl_stable.routing.trace import RoutingLayout, RoutingTrace, storage_dtype
+from verl_stable.routing.codecs import (
+    ExpertIdRangeError,
+    LayerMapError,
+    RoutedRows,
+    RoutingFormatError,
+    RowCountError,
+    _require_layout,
+    rows_to_trace,
+    smallest_uint_dtype,
+    validate_rows,
+)
+from verl_stable.routing.trace import RoutingLayout, RoutingTrace, require_int, require_layers, storage_dtype
 
 __all__ = [
     "IDS_FIELD",
@@ -57,12 +71,8 @@ def _empty(layout: RoutingLayout) -> torch.Tensor:
     return torch.zeros(0, layout.num_moe_layers, layout.top_k, dtype=storage_dtype(layout.num_experts))
 
 
-def _ids_tensor(rows: RoutedRows, layout: RoutingLayout) -> torch.Tensor:
-    if rows.ids.shape[1:] != (layout.num_moe_layers, layout.top_k):
-        raise LayerMapError(
-            f"rows are {rows.ids.shape[1]} MoE layers x top-{rows.ids.shape[2]}, the layout has "
-            f"{layout.num_moe_layers} x top-{layout.top_k}"
-        )
+def _ids_tensor(rows: RoutedRows, layout: RoutingLayout, what: str) -> torch.Tensor:
+    validate_rows(rows, layout, what)  # range and distinct ids, before the narrowing below
     # engines may hand out read-only buffers: copy those rather than let torch alias them
     return torch.from_numpy(
         np.require(rows.ids.astype(smallest_uint_dtype(layout.num_experts), copy=False), requirements="CW")
@@ -72,42 +82,90 @@ def _ids_tensor(rows: RoutedRows, layout: RoutingLayout) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------- per-sample fields
 def sample_fields(rows: RoutedRows | None, layout: RoutingLayout) -> dict[str, torch.Tensor]:
     """The two per-sample tensors that carry one sample's routing (``None``: no routing, replay nothing)."""
+    layout = _require_layout(layout)
+    if rows is not None and not isinstance(rows, RoutedRows):
+        raise RoutingFormatError(f"sample_fields: expected RoutedRows or None, got {type(rows).__name__}")
     if rows is None or rows.num_rows == 0:
         return {IDS_FIELD: _empty(layout), SPAN_FIELD: torch.zeros(2, dtype=torch.int64)}
-    return {IDS_FIELD: _ids_tensor(rows, layout), SPAN_FIELD: torch.tensor([rows.start, rows.stop], dtype=torch.int64)}
+    return {
+        IDS_FIELD: _ids_tensor(rows, layout, "sample_fields"),
+        SPAN_FIELD: torch.tensor([rows.start, rows.stop], dtype=torch.int64),
+    }
 
 
-def _unbind(ids: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def _is_integer(part: torch.Tensor) -> bool:
+    return not (part.dtype.is_floating_point or part.dtype.is_complex or part.dtype == torch.bool)
+
+
+def _require_integer(part: torch.Tensor, what: str) -> None:
+    if not _is_integer(part):
+        raise RoutingFormatError(f"{what}: expected integers, got dtype {part.dtype}")
+
+
+def _unbind(ids: torch.Tensor | Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
+    """Per-sample integer tensors of a jagged / stacked tensor or a list of tensors."""
     if isinstance(ids, torch.Tensor):
-        if ids.is_nested:
-            return list(ids.unbind())
-        return list(ids.unbind(0))
-    return list(ids)
+        parts = list(ids.unbind()) if ids.is_nested else list(ids.unbind(0)) if ids.dim() else [ids]
+    elif isinstance(ids, (list, tuple)):
+        parts = list(ids)
+    else:
+        raise RoutingFormatError(f"{what}: expected a tensor or a list of tensors, got {type(ids).__name__}")
+    for i, part in enumerate(parts):
+        if not isinstance(part, torch.Tensor):
+            raise RoutingFormatError(f"{what} entry {i}: expected a tensor, got {type(part).__name__}")
+        _require_integer(part, f"{what} entry {i}")
+    return parts
 
 
 def _spans_tensor(spans: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
-    """``[B, 2]`` int64 spans; TransferQueue hands per-sample fields back as a jagged tensor even when equal-sized."""
-    parts = _unbind(spans) if not isinstance(spans, torch.Tensor) or spans.is_nested else None
-    if parts is not None:
+    """``[B, 2]`` int64 spans; TransferQueue hands per-sample fields back as a jagged tensor even when equal-sized.
+
+    Integer dtypes only (a float span would be truncated), ``0 <= start <= stop``.
+    """
+    if isinstance(spans, torch.Tensor) and not spans.is_nested:
+        _require_integer(spans, SPAN_FIELD)
+        if spans.numel() % 2:
+            raise RowCountError(f"{SPAN_FIELD} must be [B, 2] (start, stop), got shape {tuple(spans.shape)}")
+        out = spans.detach().cpu().reshape(-1, 2).to(torch.int64)
+    else:
+        parts = _unbind(spans, SPAN_FIELD)
         if any(p.numel() != 2 for p in parts):
             raise RowCountError(
                 f"every {SPAN_FIELD} entry must be [start, stop], got {[tuple(p.shape) for p in parts]}"
             )
-        return torch.stack([p.reshape(2) for p in parts]).to(torch.int64) if parts else torch.zeros(0, 2)
-    return spans.reshape(-1, 2).to(torch.int64)
+        stacked = [p.detach().cpu().reshape(2).to(torch.int64) for p in parts]
+        out = torch.stack(stacked) if stacked else torch.zeros(0, 2, dtype=torch.int64)
+    bad = (out[:, 0] < 0) | (out[:, 1] < out[:, 0])
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise RowCountError(f"sample {i}: span {out[i].tolist()} is not [start, stop) with 0 <= start <= stop")
+    return out
 
 
-def rows_from_fields(ids: torch.Tensor | Sequence[torch.Tensor], spans: torch.Tensor) -> list[RoutedRows]:
-    """Per-sample :class:`RoutedRows` from a batch of the two fields (jagged nested ids, ``[B, 2]`` spans)."""
-    parts = _unbind(ids)
+def rows_from_fields(
+    ids: torch.Tensor | Sequence[torch.Tensor],
+    spans: torch.Tensor,
+    *,
+    layout: RoutingLayout | None = None,
+) -> list[RoutedRows]:
+    """Per-sample :class:`RoutedRows` from a batch of the two fields (jagged nested ids, ``[B, 2]`` spans).
+
+    Structure (integer dtypes, span sizes) is always checked; with ``layout`` the ids are validated too
+    (:func:`~verl_stable.routing.codecs.validate_ids`). :func:`trace_from_fields` validates them once, on the way in.
+    """
+    parts = _unbind(ids, IDS_FIELD)
     spans = _spans_tensor(spans)
     if len(parts) != spans.shape[0]:
         raise RowCountError(f"{len(parts)} routing entries but {spans.shape[0]} spans")
+    layout = None if layout is None else _require_layout(layout)
     out = []
     for i, (part, (start, stop)) in enumerate(zip(parts, spans.tolist(), strict=True)):
         if part.dim() != 3 or part.shape[0] != stop - start:
             raise RowCountError(f"sample {i}: span [{start}, {stop}) but {tuple(part.shape)} routing rows")
-        out.append(RoutedRows(int(start), part.contiguous().numpy()))
+        rows = RoutedRows(int(start), part.detach().cpu().contiguous().numpy())
+        if layout is not None and rows.num_rows:
+            validate_rows(rows, layout, f"sample {i}")
+        out.append(rows)
     return out
 
 
@@ -117,9 +175,25 @@ def trace_from_fields(
     seq_lens: Sequence[int] | torch.Tensor,
     layout: RoutingLayout,
 ) -> RoutingTrace:
-    """Actor side: the token-aligned trace of a (micro-)batch, ``seq_lens[i]`` = prompt + response tokens of i."""
-    lens = torch.as_tensor(seq_lens).reshape(-1).tolist()
-    return rows_to_trace(rows_from_fields(ids, spans), lens, layout)
+    """Actor side: the token-aligned trace of a (micro-)batch, ``seq_lens[i]`` = prompt + response tokens of i.
+
+    The ids are validated against ``layout`` (in :func:`~verl_stable.routing.codecs.rows_to_trace`) before they
+    are narrowed to the trace's dtype.
+    """
+    return rows_to_trace(rows_from_fields(ids, spans), _lengths(seq_lens, "seq_lens"), _require_layout(layout))
+
+
+def _lengths(values: Sequence[int] | torch.Tensor, what: str) -> list[int]:
+    """Non-negative integer counts (an integer tensor / array or a sequence of integers)."""
+    if isinstance(values, np.ndarray):
+        values = torch.from_numpy(values) if values.dtype.kind in "iub" else values.astype(np.float64)
+    if isinstance(values, (torch.Tensor, np.ndarray)):
+        if not isinstance(values, torch.Tensor) or not _is_integer(values):
+            raise RowCountError(f"{what} must be integers, got dtype {values.dtype}")
+        values = values.reshape(-1).tolist()
+    elif not isinstance(values, Sequence) or isinstance(values, (str, bytes)):
+        raise RowCountError(f"{what} must be a sequence of integers, got {type(values).__name__}")
+    return [require_int(v, f"{what}[{i}]", minimum=0, error=RowCountError) for i, v in enumerate(values)]
 
 
 def dense_rows_from_fields(
@@ -140,7 +214,12 @@ def dense_rows_from_fields(
         int64 ``[offsets[-1], num_moe_layers, top_k]``: row ``offsets[i] + t`` is token ``t`` of sample ``i``;
         ``MISSING`` (-1) in every slot of a row the engine did not record.
     """
-    lens = torch.as_tensor(offsets).to("cpu", torch.long).diff()
+    cu = torch.as_tensor(_lengths(offsets, "offsets"), dtype=torch.long)
+    if cu.numel() == 0 or int(cu[0]) != 0:
+        raise RowCountError(f"offsets must start at 0 ([B + 1] CSR offsets), got {cu.tolist()[:8]}")
+    lens = cu.diff()
+    if bool((lens < 0).any()):
+        raise RowCountError(f"offsets must be non-decreasing, got {cu.tolist()}")
     return trace_from_fields(ids, spans, lens, layout).to_tensor()
 
 
@@ -179,6 +258,9 @@ class PackedRouting:
         prompt_lens: int64 ``[B]``.
         num_experts: routed experts per layer.
         layer_indices: absolute decoder layer of each MoE-layer ordinal.
+
+    Construction (and unpickling, e.g. out of the Ray object store) checks that the index arrays are consistent
+    with ``ids`` and that every id is below ``num_experts``; a :class:`RoutingFormatError` says what is off.
     """
 
     ids: torch.Tensor
@@ -190,6 +272,56 @@ class PackedRouting:
     num_experts: int
     layer_indices: tuple[int, ...]
     stats: PackStats = field(default_factory=PackStats)
+
+    def __post_init__(self) -> None:
+        self.num_experts = require_int(self.num_experts, "PackedRouting.num_experts", minimum=1, error=LayerMapError)
+        self.layer_indices = require_layers(self.layer_indices, "PackedRouting.layer_indices", error=LayerMapError)
+        ids, dtype = self.ids, storage_dtype(self.num_experts)
+        if not isinstance(ids, torch.Tensor) or ids.is_nested or ids.dim() != 3 or ids.dtype != dtype:
+            got = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+            raise LayerMapError(f"PackedRouting.ids must be a {dtype} [rows, moe_layers, top_k] tensor, got {got}")
+        if ids.shape[1] != len(self.layer_indices):
+            raise LayerMapError(f"PackedRouting: ids has {ids.shape[1]} MoE layers, layer_indices names "
+                                f"{len(self.layer_indices)}")  # fmt: skip
+        if ids.numel() and int(ids.max() if dtype != torch.uint16 else ids.to(torch.int32).max()) >= self.num_experts:
+            raise ExpertIdRangeError(f"PackedRouting: expert ids outside [0, {self.num_experts})")
+        for name in ("segment_offsets", "prompt_segment", "response_segment", "start", "prompt_lens"):
+            value = getattr(self, name)
+            if not isinstance(value, torch.Tensor) or value.is_nested or value.dim() != 1:
+                raise RowCountError(f"PackedRouting.{name} must be a 1-D int64 tensor, got {type(value).__name__}")
+            _require_integer(value, f"PackedRouting.{name}")
+            setattr(self, name, value.detach().cpu().to(torch.int64))
+        offsets, batch = self.segment_offsets, self.start.numel()
+        if (
+            offsets.numel() < 1
+            or int(offsets[0]) != 0
+            or int(offsets[-1]) != ids.shape[0]
+            or (offsets.diff() < 0).any()
+        ):
+            raise RowCountError(f"PackedRouting.segment_offsets must rise from 0 to {ids.shape[0]} rows, got "
+                                f"{offsets.tolist()[:16]}")  # fmt: skip
+        for name in ("prompt_segment", "response_segment", "prompt_lens"):
+            if getattr(self, name).numel() != batch:
+                raise RowCountError(f"PackedRouting.{name} has {getattr(self, name).numel()} entries, start {batch}")
+        for name in ("prompt_segment", "response_segment"):
+            seg = getattr(self, name)
+            if bool(((seg < -1) | (seg >= offsets.numel() - 1)).any()):
+                raise RowCountError(f"PackedRouting.{name} must index [-1, {offsets.numel() - 1}), got {seg.tolist()}")
+        if bool((self.start < 0).any()) or bool((self.prompt_lens < 0).any()):
+            raise RowCountError("PackedRouting.start and prompt_lens must be >= 0")
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        if self.ids.dtype == torch.uint16:  # torch pickles no uint16 tensor (torch.save does): carry the bits as int16
+            state.update(ids=self.ids.view(torch.int16), _uint16_ids=True)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        if state.pop("_uint16_ids", False) and isinstance(state.get("ids"), torch.Tensor):
+            state["ids"] = state["ids"].view(torch.uint16)
+        self.__dict__.update(state)
+        self.__post_init__()
 
     def __len__(self) -> int:
         return int(self.start.numel())
@@ -208,9 +340,20 @@ class PackedRouting:
         group_ids: Sequence[Hashable],
         layout: RoutingLayout,
     ) -> PackedRouting:
-        """Pack per-sample routing; samples with equal ``group_ids`` share a prompt (verl's ``uid``)."""
+        """Pack per-sample routing; samples with equal ``group_ids`` share a prompt (verl's ``uid``).
+
+        Every sample's ids are validated against ``layout`` before they are narrowed to its storage dtype.
+        """
+        layout = _require_layout(layout)
+        samples, group_ids = list(samples), list(group_ids)
+        prompt_lens = _lengths(prompt_lens, "prompt_lens")
         if not len(samples) == len(prompt_lens) == len(group_ids):
-            raise ValueError(f"{len(samples)} samples, {len(prompt_lens)} prompt lengths, {len(group_ids)} group ids")
+            raise RowCountError(
+                f"{len(samples)} samples, {len(prompt_lens)} prompt lengths, {len(group_ids)} group ids"
+            )
+        for i, group in enumerate(group_ids):
+            if not isinstance(group, Hashable):
+                raise TypeError(f"group id {i} must be hashable (verl's uid), got {type(group).__name__}")
         chunks: list[torch.Tensor] = []
         offsets = [0]
         prompt_seg, response_seg, starts = [], [], []
@@ -225,15 +368,15 @@ class PackedRouting:
             return len(chunks) - 1
 
         for i, (rows, plen, group) in enumerate(zip(samples, prompt_lens, group_ids, strict=True)):
+            if rows is not None and not isinstance(rows, RoutedRows):
+                raise RoutingFormatError(f"sample {i}: expected RoutedRows or None, got {type(rows).__name__}")
             if rows is None or rows.num_rows == 0:
                 prompt_seg.append(-1)
                 response_seg.append(-1)
                 starts.append(0)
                 continue
-            if rows.start < 0:
-                raise RowCountError(f"sample {i}: negative start {rows.start}")
-            ids = _ids_tensor(rows, layout)
-            split = min(max(int(plen) - rows.start, 0), rows.num_rows)
+            ids = _ids_tensor(rows, layout, f"sample {i}")
+            split = min(max(plen - rows.start, 0), rows.num_rows)
             prompt_part, response_part = ids[:split], ids[split:]
             stats.prompt_rows += split
             seg = -1
@@ -259,7 +402,7 @@ class PackedRouting:
             prompt_segment=torch.tensor(prompt_seg, dtype=torch.int64),
             response_segment=torch.tensor(response_seg, dtype=torch.int64),
             start=torch.tensor(starts, dtype=torch.int64),
-            prompt_lens=torch.as_tensor(list(prompt_lens), dtype=torch.int64),
+            prompt_lens=torch.tensor(prompt_lens, dtype=torch.int64),
             num_experts=layout.num_experts,
             layer_indices=tuple(layout.moe_layers),
             stats=stats,
@@ -273,10 +416,13 @@ class PackedRouting:
 
     def sample(self, i: int) -> RoutedRows | None:
         """Routing of sample ``i`` (``None`` when it has none)."""
+        i = require_int(i, "sample index", error=TypeError)
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample {i} out of range for {len(self)} packed samples")
         prompt, response = self._segment(int(self.prompt_segment[i])), self._segment(int(self.response_segment[i]))
         if prompt.shape[0] + response.shape[0] == 0:
             return None
-        return RoutedRows(int(self.start[i]), torch.cat([prompt, response]).numpy())
+        return RoutedRows(int(self.start[i]), torch.cat([prompt, response]).cpu().numpy())
 
     def unpack(self) -> list[RoutedRows | None]:
         """Every sample's routing, in order."""
@@ -284,7 +430,7 @@ class PackedRouting:
 
     def select(self, indices: Sequence[int] | torch.Tensor) -> PackedRouting:
         """The samples ``indices`` (e.g. one data-parallel rank's share), keeping shared prompt segments shared."""
-        index = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
+        index = self._indices(indices)
         used = torch.cat([self.prompt_segment[index], self.response_segment[index]])
         keep = torch.unique(used[used >= 0])  # sorted
         remap = torch.full((self.segment_offsets.numel() - 1,), -1, dtype=torch.int64)
@@ -293,7 +439,10 @@ class PackedRouting:
         lengths = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64)
 
         def mapped(seg: torch.Tensor) -> torch.Tensor:
-            return torch.where(seg >= 0, remap[seg.clamp_min(0)], seg)
+            out = seg.clone()
+            present = seg >= 0
+            out[present] = remap[seg[present]]  # no lookup at all when no sample has routing
+            return out
 
         return PackedRouting(
             ids=torch.cat(parts) if parts else self.ids[:0],
@@ -306,11 +455,27 @@ class PackedRouting:
             layer_indices=self.layer_indices,
         )
 
+    def _indices(self, indices: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Integer sample indices in ``[-B, B)`` as a 1-D int64 tensor (a bool mask is refused, not read as 0/1)."""
+        try:
+            index = torch.as_tensor(indices)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise TypeError(f"indices must be integer sample indices, got {type(indices).__name__}") from exc
+        if index.numel() == 0:
+            return torch.zeros(0, dtype=torch.int64)
+        if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
+            raise TypeError(f"indices must be integer sample indices, got dtype {index.dtype}")
+        index = index.reshape(-1).to(device="cpu", dtype=torch.int64)
+        if bool(((index < -len(self)) | (index >= len(self))).any()):
+            raise IndexError(f"indices {index.tolist()[:16]} out of range for {len(self)} packed samples")
+        return index % max(len(self), 1)
+
     def to_trace(self, seq_lens: Sequence[int] | torch.Tensor, layout: RoutingLayout) -> RoutingTrace:
         """Token-aligned trace, ``seq_lens[i]`` = prompt + response tokens of sample ``i``."""
+        layout = _require_layout(layout)
         if layout.num_experts != self.num_experts or tuple(layout.moe_layers) != self.layer_indices:
             raise LayerMapError(
                 f"packed routing is for {self.num_experts} experts on decoder layers {list(self.layer_indices)}; "
                 f"the model has {layout.num_experts} experts on {list(layout.moe_layers)}"
             )
-        return rows_to_trace(self.unpack(), torch.as_tensor(seq_lens).reshape(-1).tolist(), layout)
+        return rows_to_trace(self.unpack(), _lengths(seq_lens, "seq_lens"), layout)
