@@ -43,11 +43,11 @@ from verl_stable.routing.codecs import (
     RoutedRows,
     RoutingFormatError,
     RowCountError,
-    _require_layout,
     rows_to_trace,
     smallest_uint_dtype,
     validate_rows,
 )
+from verl_stable.routing.codecs.common import _require_layout
 from verl_stable.routing.trace import RoutingLayout, RoutingTrace, require_int, require_layers, storage_dtype
 
 __all__ = [
