@@ -1,4 +1,4 @@
-"""The CPU runtime's registration step: platform, FSDP engines, ``hf`` rollout backend, poll interval.
+"""The CPU runtime's registration step: platform, FSDP engines, ``hf`` and ``vllm`` rollout backends, poll interval.
 
 ``register()`` is what ``verl_stable.integration.plugin`` runs in every process verl starts. The platform is always
 registered but only *selected* when the run asks for CPU (``VERL_PLATFORM=cpu`` or ``trainer.device=cpu``); the
@@ -7,7 +7,7 @@ engines are registered only in processes that selected it.
 
 from __future__ import annotations
 
-from verl_stable.cpu import engines, hf_rollout, platform, polling
+from verl_stable.cpu import engines, hf_rollout, platform, polling, vllm_rollout
 
 
 def register() -> list[str]:
@@ -16,6 +16,7 @@ def register() -> list[str]:
     done += engines.register()
     done += hf_rollout.register()
     done += polling.register()
+    done += vllm_rollout.register()
     return done
 
 

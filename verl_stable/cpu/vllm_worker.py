@@ -1,0 +1,82 @@
+"""The vLLM worker extension that makes verl's weight sync work on vLLM's CPU build.
+
+vLLM imports this module inside its worker process (verl names the class through the server's
+``worker_extension_cls``, see :mod:`verl_stable.cpu.vllm_rollout`), so importing it imports vLLM and verl's vLLM
+utilities; nothing else in verl-stable imports it.
+
+Why the extension: vLLM's CPU build repacks linear and MoE expert weights into kernel layouts once after loading, so
+the parameters of a running engine no longer carry the ``weight_loader`` that verl's ``model.load_weights`` relies on
+(``'Parameter' object has no attribute 'weight_loader'``). vLLM's layerwise reload restores each layer's original
+parameters on the meta device, buffers the incoming weights until a layer is complete, re-runs that layer's
+post-load processing and copies the result into the kernel tensors the engine already uses. The update is therefore:
+``initialize_layerwise_reload`` -> ``load_weights`` per received bucket -> ``finalize_layerwise_reload``.
+
+One more step is a fix of a vLLM bug on this path, measured: vLLM's unquantized MoE method treats every
+``process_weights_after_loading`` after the first as an in-place update (``is_weight_update = self.moe_kernel is not
+None``) and then skips the CPU experts' prepack into the grouped-GEMM layout, so the reloaded expert weights land
+*unpacked* in storage the CPU kernel reads as *packed*. Parameters compare equal, but every expert output is wrong: on
+the tiny Qwen3-MoE, 10 % of (token, layer) routing decisions differed from the same weights loaded from a checkpoint
+and log-probs differed by up to 0.034 (the "7-9 % unexplained router disagreement" seen inside verl). Dropping each CPU
+MoE layer's kernel before the reload makes vLLM process the layer as on its first load (pad, convert, prepack, build
+the kernel); afterwards routing equals the checkpoint-loaded engine on 100 % of rows and log-probs agree within 3e-7
+(``tests/cpu/test_vllm_rollout.py``, ``docs/cpu-runtime.md``).
+
+verl's shared-memory bucket receiver (the CPU platform has no CUDA IPC) hands out views into one reused buffer, and the
+layerwise reload keeps incoming tensors until their layer is complete: each received tensor is copied, or the next
+bucket would overwrite it.
+"""
+
+from __future__ import annotations
+
+import torch
+from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
+from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
+from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+
+def reset_cpu_moe_kernels(model: torch.nn.Module) -> int:
+    """Drop the kernel of every MoE layer that runs vLLM's unquantized CPU experts; returns how many were dropped.
+
+    The next ``process_weights_after_loading`` of such a layer then prepacks the new expert weights (see the module
+    docstring) instead of copying them unpacked into the packed storage.
+    """
+    dropped = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        backend = getattr(method, "unquantized_backend", None)
+        if getattr(method, "moe_kernel", None) is not None and getattr(backend, "name", None) == "CPU":
+            method.moe_kernel = None
+            dropped += 1
+    return dropped
+
+
+class CpuWeightReloadExtension(vLLMColocateWorkerExtension):
+    """verl's colocate worker extension with a weight update that vLLM's CPU build accepts."""
+
+    def update_weights_from_ipc(
+        self, peft_config: dict | None = None, base_sync_done: bool = False, use_shm: bool = False
+    ) -> None:
+        """Receive the full policy weights from verl's trainer and reload them layer by layer.
+
+        Raises:
+            NotImplementedError: LoRA adapters and quantized rollouts, which this CPU path does not support.
+        """
+        if peft_config:
+            raise NotImplementedError("LoRA weight sync is not supported on vLLM's CPU build by verl-stable")
+        if self._is_qat_model or self._is_modelopt_qat:
+            raise NotImplementedError("quantized (QAT) weight sync is not supported on vLLM's CPU build by verl-stable")
+        if self.device is None:
+            self.device = torch.device("cpu")
+        models = list(self._iter_all_models_with_config())
+        for model, _ in models:
+            reset_cpu_moe_kernels(model)
+            initialize_layerwise_reload(model)
+
+        def on_bucket_received(weights: list[tuple[str, torch.Tensor]], is_last: bool) -> None:
+            owned = [(name, tensor.clone()) for name, tensor in weights]
+            self._update_weights(owned, peft_config=None, base_sync_done=base_sync_done)
+
+        receiver = BucketedWeightReceiver(zmq_handle=self._get_zmq_handle(), device=self.device, use_shm=use_shm)
+        receiver.receive_weights(on_bucket_received=on_bucket_received)
+        for model, model_config in models:
+            finalize_layerwise_reload(model, model_config)
