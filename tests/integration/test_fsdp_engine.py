@@ -30,6 +30,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from verl_stable.cpu.platform import platform_class
 from verl_stable.integration import fsdp_engine as fe
+from verl_stable.integration import import_hooks
 from verl_stable.integration.fsdp_engine import ReplayAction, RouterReplayError, replay_action
 from verl_stable.routing import RoutingTrace, capture, replay
 
@@ -511,23 +512,20 @@ def test_register_refuses_a_key_held_by_another_engine():
         table[("cpu", "cpu")] = saved
 
 
-def test_deferred_registration_runs_right_after_the_target_package_is_imported(tmp_path, monkeypatch):
-    package = tmp_path / "fake_verl_engines"
-    package.mkdir()
-    (package / "__init__.py").write_text("LOADED = True\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    seen = []
-    hook = fe._RegisterAfterImport(lambda: seen.append(sys.modules["fake_verl_engines"].LOADED), "fake_verl_engines")
-    sys.meta_path.insert(0, hook)
-    try:
-        import fake_verl_engines  # noqa: F401
-
-        assert seen == [True]
-        assert hook not in sys.meta_path, "the hook removes itself once it fired"
-    finally:
-        if hook in sys.meta_path:
-            sys.meta_path.remove(hook)
-        sys.modules.pop("fake_verl_engines", None)
+def test_register_waits_for_verls_engine_package_through_the_shared_import_hook(monkeypatch):
+    # This process imported verl's engines already; a process that has not is simulated by hiding the package.
+    with import_hooks.hooks_restored():
+        monkeypatch.delitem(sys.modules, fe.ENGINE_PACKAGE)
+        pending = fe.register()
+        assert pending == [
+            "engine:language_model/fsdp|fsdp2/cuda:nvidia|cuda:amd|cpu:cpu (on import of verl.workers.engine)"
+        ]
+        assert fe.register() == pending  # idempotent: still one hook
+        (hook,) = import_hooks.pending_hooks(fe.ENGINE_PACKAGE)
+        assert hook.callback is fe.register_engine and import_hooks.finder_installed()
+        monkeypatch.setattr(fe, "NATIVE_REPLAY_MODULE", "verl.utils.tensordict_utils")
+        assert fe.register()[0].startswith("skipped: verl has native FSDP router replay")
+        assert import_hooks.pending_hooks(fe.ENGINE_PACKAGE) == []  # stepping aside cancels the pending hook
 
 
 @pytest.mark.e2e
@@ -611,7 +609,7 @@ def test_register_steps_aside_when_verl_ships_the_native_replay_module(monkeypat
     assert fe.verl_has_native_replay()
     assert fe.register() == ["skipped: verl has native FSDP router replay (verl.utils.tensordict_utils)"]
     assert {b: EngineRegistry._engines["language_model"][b] for b in fe.BACKENDS} == engines
-    assert not any(isinstance(finder, fe._RegisterAfterImport) for finder in sys.meta_path)
+    assert import_hooks.pending_hooks(fe.ENGINE_PACKAGE) == []
     monkeypatch.setattr(fe, "NATIVE_REPLAY_MODULE", "verl.utils.no_such_module_here")
     assert not fe.verl_has_native_replay()
     assert fe.register()[0].startswith("engine:language_model/")  # verl 0.9.1 as installed: our engine
@@ -620,7 +618,7 @@ def test_register_steps_aside_when_verl_ships_the_native_replay_module(monkeypat
 _NATIVE_CHECK = """
 import json, os, sys
 import verl  # loads verl-stable's plugin through verl's entry points, as every verl process does
-from verl_stable.integration import fsdp_engine as fe, plugin
+from verl_stable.integration import fsdp_engine as fe, import_hooks, plugin
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl_stable.cpu import engines
@@ -642,7 +640,7 @@ print(json.dumps({
     "subclass_built": fe._ENGINE_CLASS is not None,
     "registered_classes": sorted({c.__qualname__ for t in EngineRegistry._engines["language_model"].values()
                                   for c in t.values()}),
-    "import_hook_left": any(isinstance(f, fe._RegisterAfterImport) for f in sys.meta_path),
+    "import_hook_left": bool(import_hooks.pending_hooks("verl.workers.engine")),
 }))
 """
 

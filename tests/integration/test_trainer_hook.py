@@ -76,6 +76,28 @@ def test_stable_config_from_yaml_shape_and_errors():
         T.StableConfig.from_dict({"guard": {"rules": {"non_finite": {"action": "explode"}}}})
 
 
+@pytest.mark.parametrize("value", ["false", "true", 0, 1, None])
+def test_stable_guard_enable_must_be_a_bool(value):
+    # bool("false") is True: a quoted YAML value or a string override must be refused, not read as "on"
+    with pytest.raises(TypeError, match=r"stable\.guard\.enable must be a bool \(true/false\), got"):
+        T.StableConfig.from_dict({"guard": {"enable": value}})
+
+
+def test_stable_guard_enable_false_disables_the_guard_and_keeps_validating_the_rules():
+    parsed = T.StableConfig.from_dict({"guard": {"enable": False, "rules": {"train_inference_kl": {"threshold": 1}}}})
+    assert parsed.guard_enable is False and "enable" not in parsed.guard
+    assert T.StepMonitor(parsed).guard is None
+    assert T.StableConfig.from_dict({"guard": {"enable": True}}).guard_enable is True
+    with pytest.raises(ValueError, match="action must be one of"):
+        T.StableConfig.from_dict({"guard": {"enable": False, "rules": {"non_finite": {"action": "explode"}}}})
+
+
+@pytest.mark.parametrize("key", ["enable", "per_update"])
+def test_stable_monitor_switches_must_be_bools(key):
+    with pytest.raises(TypeError, match=rf"stable\.monitor\.{key} must be a bool"):
+        T.StableConfig.from_dict({"monitor": {key: "false"}})
+
+
 def test_bad_stable_config_fails_when_the_trainer_is_built(registered):
     cfg = _config("trainer.v1.trainer_mode=stable_sync", "+stable.guard.rules.non_finite.action=explode")
     with pytest.raises(ValueError, match="action must be one of"):
@@ -244,7 +266,8 @@ def test_registration_waits_for_verls_trainer_package_in_a_fresh_process():
         "from verl.trainer.ppo.v1 import get_trainer_cls\n"
         "cls = get_trainer_cls('stable_colocate_async')\n"
         "print(cls.__name__, cls.__mro__[2].__name__, T.register())\n"
-        "assert not any(isinstance(f, T._RegisterOnImport) for f in sys.meta_path)\n"
+        "from verl_stable.integration import import_hooks\n"
+        "assert not import_hooks.pending_hooks() and not import_hooks.finder_installed()\n"
     )
     env = dict(os.environ, VERL_USE_EXTERNAL_PLUGINS="none")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout

@@ -1,529 +1,61 @@
-"""MoE router replay (R2 / R3) inside verl's FSDP engine, for Hugging Face MoE models (FSDP and FSDP2).
+"""The replay-capable FSDP engine and its registration in verl: the ``fsdp_router_replay`` plugin step.
 
-``actor_rollout_ref.actor.fsdp_config.router_replay.mode`` (verl's ``EngineRouterReplayConfig``) selects:
+``actor_rollout_ref.actor.fsdp_config.router_replay.mode`` (verl's ``EngineRouterReplayConfig``: ``disabled``, ``R2``
+or ``R3``) is served by ``FSDPEngineWithLMHeadReplay`` = :class:`~verl_stable.integration.fsdp_replay.RouterReplayMixin`
++ verl's ``FSDPEngineWithLMHead``. This module owns building that class (lazily, :func:`engine_class`; it is also
+importable as ``verl_stable.integration.fsdp_engine.FSDPEngineWithLMHeadReplay``, the name it pickles under) and
+selecting it in verl's engine registry for every FSDP backend and (device, vendor) key (:func:`register_engine`),
+right after verl imports its engine package (:func:`register`, through
+:func:`~verl_stable.integration.import_hooks.when_imported`), unless the installed verl replays routing itself.
 
-* ``disabled``: verl's engine, unchanged. If the batch happens to carry the rollout's ``routed_experts`` (the
-  rollout was asked to export routing), the engine only *observes*: it records the routing it used and logs the
-  disagreement with the rollout's routing; outputs are bit-identical to verl's engine.
-* ``R2``: ``compute_log_prob`` (pi_old, forward only) records the routing of every token and returns it as
-  ``routed_experts`` next to ``log_probs``; verl carries it per sample (TransferQueue in the V1 trainer, the
-  DataProto batch in the legacy one) into ``update_actor``, where every update mini-step replays it. Because the
-  routing travels *with its sample*, the trainer's shuffling and mini-batch split cannot detach it from its tokens.
-* ``R3``: ``compute_log_prob`` and every update mini-step replay the rollout's ``routed_experts``
-  (``actor_rollout_ref.rollout.enable_rollout_routing_replay=True``).
-
-The reference policy never replays: a forward-only engine (verl builds the reference engine with
-``forward_only=True``) never records or replays, and neither does a pass run under ``disable_adapter()`` (the
-reference computed by the LoRA actor).
-
-Alignment. ``routed_experts`` is per sample, one row per valid token (prompt + response) indexed by absolute
-decoder layer, in the order of ``input_ids``. Each micro-batch's rows are laid out exactly as verl lays out
-``input_ids`` for the model (padded, packed + ``pad_to_length`` pad, Ulysses pad + per-rank slice) by
-:mod:`verl_stable.routing.alignment`; pad rows and rows without data (zero rows, e.g. the last sampled token) keep
-the model's own routing and are counted.
-
-Replay replaces only the expert selection; gate weights are recomputed by the family's formula from the live router
-output (:mod:`verl_stable.routing`), so the router is trained. The replay context stays open across the
-micro-batch's backward, so gradient-checkpointing recompute routes the same way.
-
-Metrics, per micro-batch (logged as ``actor/stable/routing/...`` by verl's update; the monitored trainers move them
-to ``stable/routing/...`` and add one value per update mini-step):
-
-* ``stable/routing/disagreement``: fraction of (token, MoE layer) rows with routing data whose *used* expert set
-  differs from the reference routing (rollout in R3 / observe, pi_old in R2). 0 under replay by construction.
-* ``stable/routing/router_disagreement``: the same for the experts the router *would* have chosen: the numeric
-  mismatch replay is hiding (rollout vs training precision in R3, policy drift since pi_old in R2).
-* ``stable/routing/r2_drift`` (R2 update passes only): ``router_disagreement`` under its R2 meaning, the fraction of
-  compared rows where the live router's top-k set differs from the pi_old routing recorded by ``compute_log_prob``
-  and replayed in this mini-step; ``stable/routing/r2_drift/layer_{i}`` per MoE layer (i = MoE-layer ordinal).
-  0 in the first mini-step of an on-policy step (same weights as pi_old), growing as the update moves the policy.
-* ``stable/routing/compared_rows``, ``replayed_rows``, ``missing_rows``, ``padding_rows``, ``recorded_rows``: row
-  counts.
-
-Aggregation. ``forward_step`` hands every ``stable/...`` metric (ours and the staleness metrics of the
-``minirl`` / ``vespo`` losses) to verl as a :class:`verl.utils.metric.Metric` (see
-:func:`verl_stable.integration.losses.relabel_stable_metrics`): verl then reduces them to one value per update
-mini-step (the unweighted mean over micro-batches and data-parallel ranks; ``*_max`` / ``*_min`` keys the true
-extreme), where plain numbers would only be concatenated across mini-steps.
+What replay does, its metrics and how rows are aligned: :mod:`verl_stable.integration.fsdp_replay` (the engine
+mixin) and :mod:`verl_stable.integration.replay_pass` (one pass's decision and routing sessions). Their public names
+are re-exported here, where they lived before the split.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import logging
-import sys
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
-import torch
-from tensordict import TensorDict
-from verl.utils import tensordict_utils as tu
+from verl_stable.integration import fsdp_replay
+from verl_stable.integration.fsdp_replay import RouterReplayMixin
+from verl_stable.integration.import_hooks import pending_hooks, when_imported
+from verl_stable.integration.replay_pass import (
+    METRIC_PREFIX,
+    MODES,
+    ROUTED_EXPERTS,
+    ReplayAction,
+    RouterReplayError,
+    r2_drift_per_layer,
+    replay_action,
+)
 
-from verl_stable.integration.losses import relabel_stable_metrics
-from verl_stable.integration.rollout import expand_compact_routing
-from verl_stable.routing import alignment
-from verl_stable.routing.disagreement import expert_sets_differ
-from verl_stable.routing.families import ModelRouting, UnsupportedModelError, bind_model
-from verl_stable.routing.replay import RoutingRecorder, RoutingReplayer
-from verl_stable.routing.trace import MISSING, RoutingTrace
+__all__ = [
+    # the replay itself, importable from here as before the split
+    "METRIC_PREFIX",
+    "MODES",
+    "ROUTED_EXPERTS",
+    "ReplayAction",
+    "RouterReplayError",
+    "RouterReplayMixin",
+    "r2_drift_per_layer",
+    "replay_action",
+    # the engine class and its registration (FSDPEngineWithLMHeadReplay is a module attribute, built on access)
+    "BACKENDS",
+    "ENGINE_PACKAGE",
+    "MODEL_TYPE",
+    "NATIVE_REPLAY_MODULE",
+    "VENDOR_KEYS",
+    "engine_class",
+    "register",
+    "register_engine",
+    "verl_has_native_replay",
+]
 
 logger = logging.getLogger("verl_stable")
 
-ROUTED_EXPERTS = "routed_experts"
-METRIC_PREFIX = "stable/routing/"
-MODES = ("disabled", "R2", "R3")
-
-
-class ReplayAction(Enum):
-    """What one engine pass does with routing."""
-
-    NONE = "none"  # verl's engine, untouched
-    OBSERVE = "observe"  # record the routing used and compare it with the batch's routed_experts
-    RECORD = "record"  # R2 pi_old pass: record and return routed_experts
-    REPLAY = "replay"  # force the batch's routed_experts
-
-
-class RouterReplayError(RuntimeError):
-    """Router replay cannot run as configured (missing routing, wrong shapes, unsupported setup)."""
-
-
-def replay_action(
-    mode: str,
-    *,
-    forward_only: bool,
-    engine_forward_only: bool,
-    reference_pass: bool,
-    batch_has_routing: bool,
-    worker_flag: bool | None = None,
-) -> ReplayAction:
-    """Decide what an engine pass does with routing.
-
-    Args:
-        mode: ``router_replay.mode`` of this engine: disabled, R2 or R3.
-        forward_only: the pass computes log-probs only (``compute_log_prob``), no update.
-        engine_forward_only: the engine was built forward-only (verl's reference policy engine).
-        reference_pass: the pass runs under ``disable_adapter()`` (reference log-probs of a LoRA actor).
-        batch_has_routing: the batch carries ``routed_experts``.
-        worker_flag: the ``enable_routing_replay`` value verl's worker put on the batch, if any (verl sets it to
-            False for the reference pass of strategies it knows).
-
-    Returns:
-        NONE for the reference policy and for disabled runs without routing in the batch; OBSERVE for disabled runs
-        that carry the rollout's routing; RECORD for R2's pi_old pass; REPLAY for R2 updates and every R3 pass.
-    """
-    if mode not in MODES:
-        raise ValueError(f"router_replay.mode must be one of {MODES}, got {mode!r}")
-    if engine_forward_only or reference_pass or worker_flag is False:
-        return ReplayAction.NONE
-    if mode == "disabled":
-        return ReplayAction.OBSERVE if batch_has_routing else ReplayAction.NONE
-    if mode == "R2":
-        return ReplayAction.RECORD if forward_only else ReplayAction.REPLAY
-    return ReplayAction.REPLAY
-
-
-def _routed_rows(micro_batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
-    """``routed_experts`` of a micro-batch as packed rows ``[nnz, layers, top_k]`` and the input's cu_seqlens."""
-    input_ids = micro_batch["input_ids"]
-    offsets = input_ids.offsets() if input_ids.is_nested else None
-    routed = micro_batch.get(ROUTED_EXPERTS, None)
-    if routed is None:
-        raise RouterReplayError(f"the micro-batch has no '{ROUTED_EXPERTS}'")
-    if routed.is_nested:
-        if offsets is None:
-            raise RouterReplayError("routed_experts is nested but input_ids is not: cannot align them")
-        rows = routed.values()
-        routed_offsets = routed.offsets()
-        if routed_offsets.shape != offsets.shape or not torch.equal(routed_offsets.cpu(), offsets.cpu()):
-            raise RouterReplayError(
-                f"routed_experts rows per sample {routed_offsets.diff().tolist()} do not match the input_ids lengths "
-                f"{offsets.diff().tolist()}: routing must have one row per valid token (prompt + response)"
-            )
-        return rows, offsets
-    if routed.dim() != 4:
-        raise RouterReplayError(
-            f"routed_experts must be [batch, tokens, layers, top_k] (nested over tokens), got {tuple(routed.shape)}"
-        )
-    batch, width = routed.shape[:2]
-    if offsets is None:
-        offsets = torch.arange(batch + 1, device=routed.device) * width
-    lengths = offsets.diff()
-    if bool((lengths != width).any()):
-        raise RouterReplayError(
-            f"routed_experts is a dense [batch, {width}, ...] tensor but the samples have {lengths.tolist()} tokens"
-        )
-    return routed.reshape(batch * width, *routed.shape[2:]), offsets
-
-
-@dataclass
-class _MicroBatchTargets:
-    """The reference routing of one micro-batch, aligned to the rows the routers see on this rank."""
-
-    dense: torch.Tensor  # [token rows, M, K] int64 on device, MISSING where a row has no data
-    token_mask: torch.Tensor  # [B, S] bool over the model input: True where a row is a real token
-
-
-@dataclass
-class _ReplayPass:
-    """Routing sessions installed on the model for one ``forward_backward_batch`` call."""
-
-    action: ReplayAction
-    routing: ModelRouting
-    model: torch.nn.Module
-    natural: RoutingRecorder | None = None  # sees the router's own choice (installed before the replayer)
-    replayer: RoutingReplayer | None = None
-    used: RoutingRecorder | None = None  # sees the experts actually used (installed after the replayer)
-    targets: _MicroBatchTargets | None = None
-    output_args: dict[str, Any] = field(default_factory=dict)
-    metrics: dict[str, float] = field(default_factory=dict)
-
-    def open(self) -> None:
-        self.natural = RoutingRecorder(self.model, self.routing, use_attention_mask=False)
-        self.natural.install()
-
-    def arm(self, targets: _MicroBatchTargets | None) -> None:
-        """Prepare the sessions for the next micro-batch forward (its backward runs before the next ``arm``)."""
-        self.targets = targets
-        self.metrics = {}
-        assert self.natural is not None
-        self.natural.clear()
-        if self.used is not None:
-            self.used.clear()
-        if self.action is not ReplayAction.REPLAY:
-            return
-        assert targets is not None
-        trace = RoutingTrace.from_tensor(
-            targets.dense, num_experts=self.routing.layout.num_experts, layer_indices=self.routing.layout.moe_layers
-        )
-        if self.replayer is None:
-            self.replayer = RoutingReplayer(self.model, self.routing, trace, token_mask=targets.token_mask)
-            self.replayer.install()
-            self.used = RoutingRecorder(self.model, self.routing, use_attention_mask=False)
-            self.used.install()
-        else:
-            self.replayer.set_trace(trace, token_mask=targets.token_mask)
-
-    def close(self) -> None:
-        # Remove in reverse install order so every wrapper restores what it wrapped.
-        for session in (self.used, self.replayer, self.natural):
-            if session is not None:
-                session.remove()
-
-
-def _last_forward_rows(recorder: RoutingRecorder | None) -> tuple[torch.Tensor, tuple[int, int]]:
-    """``[rows, M, K]`` ids (on the model's device) and ``(B, S)`` of the recorder's last forward."""
-    if recorder is None or not recorder.forwards:
-        raise RouterReplayError("no forward pass was recorded for this micro-batch")
-    fwd = recorder.forwards[-1]
-    if any(ids is None for ids in fwd.ids) or fwd.batch is None:
-        raise RouterReplayError("the micro-batch forward did not route through every MoE layer")
-    return torch.stack(list(fwd.ids), dim=1), fwd.batch
-
-
-class _RegisterAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Runs ``callback`` right after ``verl.workers.engine`` is imported, wherever that happens.
-
-    verl imports its engine package only in processes that build engines; importing it from the plugin in every
-    process (driver, rollout servers, agent loops) would cost seconds each.
-    """
-
-    def __init__(self, callback: Callable[[], Any], target: str = "verl.workers.engine") -> None:
-        self.callback = callback
-        self.target = target
-        self._inner: importlib.abc.Loader | None = None
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname != self.target:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return None
-        self._inner = spec.loader
-        spec.loader = self
-        return spec
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
-        assert self._inner is not None
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        assert self._inner is not None
-        self._inner.exec_module(module)
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        self.callback()
-
-
-class RouterReplayMixin:
-    """R2 / R3 router replay for verl's ``FSDPEngineWithLMHead`` (Hugging Face MoE models).
-
-    Mixed in before verl's engine class (see :func:`engine_class`); every method calls verl's implementation and
-    only adds routing around it. With ``router_replay.mode=disabled`` and no ``routed_experts`` in the batch every
-    call goes straight to verl's implementation.
-    """
-
-    # Provided by verl's FSDPEngineWithLMHead.
-    module: torch.nn.Module
-    use_ulysses_sp: bool
-    ulysses_sequence_parallel_size: int
-    ulysses_device_mesh: Any
-
-    def __init__(self, model_config: Any, engine_config: Any, optimizer_config: Any, checkpoint_config: Any, **kwargs):
-        super().__init__(model_config, engine_config, optimizer_config, checkpoint_config, **kwargs)
-        self._init_router_replay(engine_config)
-
-    # ------------------------------------------------------------------------------------------- setup
-    def _init_router_replay(self, engine_config: Any) -> None:
-        """Replay state; split from ``__init__`` so the state machine can be set up on a bare engine in tests."""
-        router_replay = getattr(engine_config, "router_replay", None)
-        if isinstance(router_replay, Mapping):
-            # ``+...fsdp_config.router_replay.mode=R3`` without a ``_target_`` reaches the engine as a plain dict.
-            mode = router_replay.get("mode", "disabled") or "disabled"
-        else:
-            mode = getattr(router_replay, "mode", "disabled") or "disabled"
-        if mode not in MODES:
-            raise ValueError(f"router_replay.mode must be one of {MODES}, got {mode!r}")
-        self.router_replay_mode: str = mode
-        self._engine_forward_only = bool(getattr(engine_config, "forward_only", False))
-        self._reference_depth = 0
-        self._model_routing: ModelRouting | None = None
-        self._routing_unsupported: str | None = None
-        self._replay_pass: _ReplayPass | None = None
-        if mode != "disabled" and self._engine_forward_only:
-            logger.info("router_replay.mode=%s ignored by a forward-only engine (reference policy never replays)", mode)
-
-    def initialize(self) -> None:
-        super().initialize()
-        self._bind_routing(strict=self.router_replay_mode != "disabled" and not self._engine_forward_only)
-
-    def _bind_routing(self, strict: bool) -> None:
-        try:
-            self._model_routing = bind_model(self.module)
-        except UnsupportedModelError as exc:
-            if strict:
-                raise RouterReplayError(
-                    f"router_replay.mode={self.router_replay_mode} needs a Hugging Face MoE model whose routing can "
-                    f"be replayed: {exc}"
-                ) from exc
-            self._routing_unsupported = str(exc)
-
-    def disable_adapter(self):  # noqa: D102 - same contract as verl's
-        return self._reference_scope(super().disable_adapter())
-
-    @contextmanager
-    def _reference_scope(self, inner: Any) -> Iterator[Any]:
-        """A reference-policy pass (LoRA adapter off): never recorded, never replayed."""
-        self._reference_depth += 1
-        try:
-            with inner as value:
-                yield value
-        finally:
-            self._reference_depth -= 1
-
-    # ------------------------------------------------------------------------------------------- passes
-    def _action_for(self, data: TensorDict, forward_only: bool) -> ReplayAction:
-        flag = tu.get_non_tensor_data(data=data, key="enable_routing_replay", default=None)
-        action = replay_action(
-            self.router_replay_mode,
-            forward_only=forward_only,
-            engine_forward_only=self._engine_forward_only,
-            reference_pass=self._reference_depth > 0,
-            batch_has_routing=ROUTED_EXPERTS in data.keys(),
-            worker_flag=None if flag is None else bool(flag),
-        )
-        if action is ReplayAction.OBSERVE and self._model_routing is None:
-            return ReplayAction.NONE  # a dense model or an unsupported family: nothing to observe
-        return action
-
-    def forward_backward_batch(self, data: TensorDict, loss_function: Callable, forward_only: bool = False) -> Any:
-        if self._model_routing is not None:
-            # The rollout side ships compact uint8 routing (integration.rollout); expand it to verl's layout here,
-            # on the actor, only for the batch being processed (after one TransferQueue read of the prompt rows
-            # its groups share, see rollout.attach_shared_prompt_rows).
-            expand_compact_routing(data, self._model_routing.layout)
-        action = self._action_for(data, forward_only)
-        if action is ReplayAction.NONE:
-            return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
-        if self._model_routing is None:
-            raise RouterReplayError(f"router replay is not bound to the model: {self._routing_unsupported}")
-        if action is ReplayAction.REPLAY and ROUTED_EXPERTS not in data.keys():
-            raise RouterReplayError(self._missing_routing_message(forward_only))
-        if self._replay_pass is not None:
-            raise RouterReplayError("forward_backward_batch re-entered while a router replay pass is active")
-        replay_pass = _ReplayPass(action=action, routing=self._model_routing, model=self.module)
-        self._replay_pass = replay_pass
-        try:
-            replay_pass.open()
-            return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
-        finally:
-            replay_pass.close()
-            self._replay_pass = None
-
-    def _missing_routing_message(self, forward_only: bool) -> str:
-        if self.router_replay_mode == "R3":
-            return (
-                f"router_replay.mode=R3 but the batch has no '{ROUTED_EXPERTS}': set "
-                "actor_rollout_ref.rollout.enable_rollout_routing_replay=True so the rollout exports routing"
-            )
-        return (
-            f"router_replay.mode=R2 but the update batch has no '{ROUTED_EXPERTS}': it is recorded by "
-            "compute_log_prob, which did not run (rollout_correction.bypass_mode uses the rollout log-probs as "
-            "pi_old and skips it; use R3 or recompute old log-probs)"
-        )
-
-    def prepare_model_inputs(self, micro_batch: TensorDict):
-        model_inputs, output_args = super().prepare_model_inputs(micro_batch)
-        replay_pass = self._replay_pass
-        if replay_pass is not None:
-            targets = None
-            if replay_pass.action in (ReplayAction.REPLAY, ReplayAction.OBSERVE):
-                targets = self._align_targets(micro_batch, model_inputs, output_args)
-            replay_pass.output_args = dict(output_args)
-            replay_pass.arm(targets)
-        return model_inputs, output_args
-
-    def prepare_model_outputs(self, output, output_args, micro_batch: TensorDict, logits_processor_func):
-        model_output = super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
-        replay_pass = self._replay_pass
-        if replay_pass is None:
-            return model_output
-        if replay_pass.action is ReplayAction.RECORD:
-            model_output[ROUTED_EXPERTS] = self._recorded_routing(micro_batch, output_args)
-        else:
-            replay_pass.metrics.update(self._agreement_metrics(replay_pass))
-        return model_output
-
-    def forward_step(self, micro_batch: TensorDict, loss_function, forward_only):
-        loss, output = super().forward_step(micro_batch, loss_function=loss_function, forward_only=forward_only)
-        replay_pass = self._replay_pass
-        if replay_pass is not None and replay_pass.metrics:
-            metrics = output.setdefault("metrics", {})
-            metrics.update({METRIC_PREFIX + key: value for key, value in replay_pass.metrics.items()})
-        if output.get("metrics"):
-            relabel_stable_metrics(output["metrics"])
-        return loss, output
-
-    # ------------------------------------------------------------------------------------------- alignment
-    def _sp_rank(self) -> int:
-        if not self.use_ulysses_sp:
-            return 0
-        return int(self.ulysses_device_mesh["sp"].get_local_rank())
-
-    def _check_layout_supported(self) -> None:
-        if self.use_ulysses_sp:
-            config = getattr(getattr(self.module, "module", self.module), "config", None)
-            if hasattr(config, "vision_config"):
-                raise RouterReplayError(
-                    "router replay with Ulysses sequence parallelism is not supported for vision-language models "
-                    "(their inputs are sliced after the embedding)"
-                )
-
-    def _align_targets(self, micro_batch: TensorDict, model_inputs: dict, output_args: dict) -> _MicroBatchTargets:
-        """The micro-batch's ``routed_experts`` in the order this rank's routers see tokens."""
-        assert self._model_routing is not None
-        self._check_layout_supported()
-        layout = self._model_routing.layout
-        rows, offsets = _routed_rows(micro_batch)
-        if rows.shape[1] != layout.num_hidden_layers or rows.shape[2] != layout.top_k:
-            raise RouterReplayError(
-                f"routed_experts rows are [{rows.shape[1]} layers, top_k {rows.shape[2]}] but the "
-                f"{layout.model_type} model expects [{layout.num_hidden_layers} decoder layers, top_k {layout.top_k}] "
-                "(routing indexed by absolute decoder layer, dense layers as zero rows)"
-            )
-        moe = alignment.select_layers(rows.to(torch.long), layout.moe_layers)
-        dense = moe.masked_fill(~alignment.rows_with_data(moe).unsqueeze(-1), MISSING)
-        use_remove_padding = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
-        if use_remove_padding:
-            static_pad = self._get_packed_pad_size(int(offsets[-1]))
-            aligned, sp_pad = alignment.ulysses_shard(
-                alignment.packed_layout(dense, offsets, static_pad=static_pad),
-                self.ulysses_sequence_parallel_size,
-                self._sp_rank(),
-            )
-            if static_pad + sp_pad != int(output_args.get("pad_size", 0)):
-                raise RouterReplayError(
-                    f"routing alignment expected {static_pad + sp_pad} pad tokens but verl padded "
-                    f"{output_args.get('pad_size')}: verl's packing rule changed"
-                )
-            token_mask = aligned.has_data.reshape(1, -1)
-        else:
-            width = int(model_inputs["input_ids"].shape[1])
-            aligned = alignment.padded_layout(dense, offsets, max_seq_len=width)
-            token_mask = aligned.has_data.reshape(-1, width)
-        return _MicroBatchTargets(dense=aligned.token_rows(), token_mask=token_mask)
-
-    def _recorded_routing(self, micro_batch: TensorDict, output_args: dict) -> torch.Tensor:
-        """R2: this micro-batch's routing per sample, ``[b, j, num_hidden_layers, top_k]`` int16, nested like input_ids."""
-        assert self._replay_pass is not None and self._model_routing is not None
-        self._check_layout_supported()
-        layout = self._model_routing.layout
-        ids, (batch, width) = _last_forward_rows(self._replay_pass.natural)
-        offsets = micro_batch["input_ids"].offsets()
-        ids = ids.to(torch.int32)  # collectives do not take uint8 everywhere; int32 also holds > 256 experts
-        if tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True):
-            packed = self._gather_and_unpad_packed(ids, int(output_args.get("pad_size", 0)))
-        else:
-            packed = alignment.rows_from_padded_layout(ids, offsets, width)
-        if packed.shape[0] != int(offsets[-1]):
-            raise RouterReplayError(f"recorded {packed.shape[0]} routing rows for {int(offsets[-1])} tokens")
-        absolute = alignment.scatter_layers(packed, layout.moe_layers, layout.num_hidden_layers).to(torch.int16)
-        self._replay_pass.metrics["recorded_rows"] = float(packed.shape[0] * len(layout.moe_layers))
-        return torch.nested.nested_tensor_from_jagged(absolute, offsets)
-
-    def _agreement_metrics(self, replay_pass: _ReplayPass) -> dict[str, float]:
-        """Disagreement of the router's own and of the used routing with the reference routing, plus row counts."""
-        targets = replay_pass.targets
-        assert targets is not None
-        natural, _ = _last_forward_rows(replay_pass.natural)
-        token_rows = targets.token_mask.reshape(-1).to(natural.device)
-        target = targets.dense.to(natural.device)
-        has_data = (target != MISSING).all(dim=-1)  # [n, M]
-        compared = int(has_data.sum())
-        natural = natural[token_rows].to(torch.long)
-        router_differ = int((expert_sets_differ(natural, target) & has_data).sum())
-        metrics = {
-            "router_disagreement": router_differ / max(compared, 1),
-            "compared_rows": float(compared),
-            "missing_rows": float(has_data.numel() - compared),
-            "padding_rows": float((~token_rows).sum()) * target.shape[1],
-        }
-        if replay_pass.action is ReplayAction.REPLAY and self.router_replay_mode == "R2":
-            # the update replays pi_old's routing: the router's own choice is how far routing drifted since pi_old
-            metrics["r2_drift"] = metrics["router_disagreement"]
-            per_layer = r2_drift_per_layer(natural, target, has_data)
-            metrics.update({f"r2_drift/layer_{i}": value for i, value in enumerate(per_layer)})
-        if replay_pass.action is ReplayAction.REPLAY:
-            used, _ = _last_forward_rows(replay_pass.used)
-            used = used[token_rows].to(torch.long)
-            used_differ = int((expert_sets_differ(used, target) & has_data).sum())
-            metrics["disagreement"] = used_differ / max(compared, 1)
-            metrics["replayed_rows"] = float(compared)
-        else:
-            metrics["disagreement"] = metrics["router_disagreement"]
-        return metrics
-
-
-def r2_drift_per_layer(natural: torch.Tensor, recorded: torch.Tensor, has_data: torch.Tensor) -> list[float]:
-    """Per MoE layer, the fraction of rows with data where the router's top-k set differs from the recorded one.
-
-    ``drift_l = sum_n 1[set(natural[n, l]) != set(recorded[n, l])] * has_data[n, l] / max(sum_n has_data[n, l], 1)``.
-
-    Args:
-        natural: ``[rows, moe_layers, top_k]`` expert ids the live router chose.
-        recorded: ``[rows, moe_layers, top_k]`` pi_old's recorded (replayed) ids.
-        has_data: ``[rows, moe_layers]`` bool, rows that carry recorded routing.
-    """
-    differ = (expert_sets_differ(natural, recorded) & has_data).sum(dim=0).double()
-    compared = has_data.sum(dim=0).clamp(min=1).double()
-    return (differ / compared).tolist()
-
-
-# ----------------------------------------------------------------------------------------------- registration
-_ENGINE_CLASS: type | None = None
+_ENGINE_CLASS: type | None = None  # built once, on first use
 
 
 def engine_class() -> type:
@@ -539,7 +71,7 @@ def engine_class() -> type:
         _ENGINE_CLASS = type(
             "FSDPEngineWithLMHeadReplay",
             (RouterReplayMixin, FSDPEngineWithLMHead),
-            {"__module__": __name__, "__qualname__": "FSDPEngineWithLMHeadReplay", "__doc__": __doc__},
+            {"__module__": __name__, "__qualname__": "FSDPEngineWithLMHeadReplay", "__doc__": fsdp_replay.__doc__},
         )
     return _ENGINE_CLASS
 
@@ -555,8 +87,9 @@ def __getattr__(name: str) -> Any:
 VENDOR_KEYS: tuple[tuple[str, str], ...] = (("cuda", "nvidia"), ("cuda", "amd"), ("cpu", "cpu"))
 BACKENDS: tuple[str, ...] = ("fsdp", "fsdp2")
 MODEL_TYPE = "language_model"
-
-_hook: _RegisterAfterImport | None = None
+# Imported by verl only in processes that build engines; importing it from the plugin in every process (driver,
+# rollout servers, agent loops) would cost seconds each.
+ENGINE_PACKAGE = "verl.workers.engine"
 
 
 def register_engine() -> list[str]:
@@ -592,7 +125,7 @@ def verl_has_native_replay() -> bool:
 
     ``find_spec`` locates the module without importing it; only its parent package ``verl.utils`` is imported.
     """
-    from importlib.util import find_spec  # local: the imports above belong to the engine code
+    from importlib.util import find_spec  # local: only this check needs it
 
     try:
         return find_spec(NATIVE_REPLAY_MODULE) is not None
@@ -604,21 +137,20 @@ def register() -> list[str]:
     """Plugin step: select the replay-capable FSDP engine for cuda (nvidia, amd) and cpu.
 
     Registers at once when verl's engine package is already imported, else right after it is (importing it here
-    would cost seconds in every process verl starts). Returns what is (or will be) registered.
+    would cost seconds in every process verl starts); a failure of the deferred registration fails that import, as
+    a registry conflict must not leave router replay silently off. Returns what is (or will be) registered.
 
     Steps aside when verl already replays routing in its own FSDP engine (it has ``NATIVE_REPLAY_MODULE``):
     our subclass on top of verl's replaying engine would record / replay every routing site twice. verl's own
     engine then serves ``router_replay.mode`` unchanged, and the returned entry says the step was skipped.
     """
-    global _hook
     if verl_has_native_replay():
-        if _hook is not None and _hook in sys.meta_path:
-            sys.meta_path.remove(_hook)
+        for hook in pending_hooks(ENGINE_PACKAGE):
+            if hook.callback is register_engine:
+                hook.uninstall()
         return [f"skipped: verl has native FSDP router replay ({NATIVE_REPLAY_MODULE})"]
-    if "verl.workers.engine" in sys.modules:
-        return register_engine()
-    if _hook is None or _hook not in sys.meta_path:
-        _hook = _RegisterAfterImport(register_engine)
-        sys.meta_path.insert(0, _hook)
+    hook = when_imported(ENGINE_PACKAGE, register_engine)
+    if hook.fired:
+        return hook.result
     keys = [f"{k[0]}:{k[1]}" for k in VENDOR_KEYS]
-    return [f"engine:{MODEL_TYPE}/{'|'.join(BACKENDS)}/{'|'.join(keys)} (on import of verl.workers.engine)"]
+    return [f"engine:{MODEL_TYPE}/{'|'.join(BACKENDS)}/{'|'.join(keys)} (on import of {ENGINE_PACKAGE})"]

@@ -1,0 +1,190 @@
+"""One pass of verl's FSDP engine under router replay: what it does with routing and the routing sessions it holds.
+
+This module owns the pieces of the replay state machine that do not depend on verl's engine: the decision table of
+a pass (:func:`replay_action`: none / observe / record / replay, from ``router_replay.mode`` and the pass's kind),
+the routing sessions installed on the model for one ``forward_backward_batch`` call (:class:`ReplayPass`, armed
+once per micro-batch), reading a micro-batch's ``routed_experts`` as packed rows (:func:`routed_rows`) and the rows
+a recorder saw (:func:`last_forward_rows`), and the per-layer R2 drift (:func:`r2_drift_per_layer`). The engine
+mixin that drives them from verl's hooks is :mod:`verl_stable.integration.fsdp_replay`; nothing here imports verl.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from verl_stable.routing.disagreement import expert_sets_differ
+from verl_stable.routing.families import ModelRouting
+from verl_stable.routing.replay import RoutingRecorder, RoutingReplayer
+from verl_stable.routing.trace import RoutingTrace
+
+ROUTED_EXPERTS = "routed_experts"
+METRIC_PREFIX = "stable/routing/"  # verl adds "actor/"; the monitored trainers move the keys back under "stable/"
+MODES = ("disabled", "R2", "R3")
+
+
+class ReplayAction(Enum):
+    """What one engine pass does with routing."""
+
+    NONE = "none"  # verl's engine, untouched
+    OBSERVE = "observe"  # record the routing used and compare it with the batch's routed_experts
+    RECORD = "record"  # R2 pi_old pass: record and return routed_experts
+    REPLAY = "replay"  # force the batch's routed_experts
+
+
+class RouterReplayError(RuntimeError):
+    """Router replay cannot run as configured (missing routing, wrong shapes, unsupported setup)."""
+
+
+def replay_action(
+    mode: str,
+    *,
+    forward_only: bool,
+    engine_forward_only: bool,
+    reference_pass: bool,
+    batch_has_routing: bool,
+    worker_flag: bool | None = None,
+) -> ReplayAction:
+    """Decide what an engine pass does with routing.
+
+    Args:
+        mode: ``router_replay.mode`` of this engine: disabled, R2 or R3.
+        forward_only: the pass computes log-probs only (``compute_log_prob``), no update.
+        engine_forward_only: the engine was built forward-only (verl's reference policy engine).
+        reference_pass: the pass runs under ``disable_adapter()`` (reference log-probs of a LoRA actor).
+        batch_has_routing: the batch carries ``routed_experts``.
+        worker_flag: the ``enable_routing_replay`` value verl's worker put on the batch, if any (verl sets it to
+            False for the reference pass of strategies it knows).
+
+    Returns:
+        NONE for the reference policy and for disabled runs without routing in the batch; OBSERVE for disabled runs
+        that carry the rollout's routing; RECORD for R2's pi_old pass; REPLAY for R2 updates and every R3 pass.
+    """
+    if mode not in MODES:
+        raise ValueError(f"router_replay.mode must be one of {MODES}, got {mode!r}")
+    if engine_forward_only or reference_pass or worker_flag is False:
+        return ReplayAction.NONE
+    if mode == "disabled":
+        return ReplayAction.OBSERVE if batch_has_routing else ReplayAction.NONE
+    if mode == "R2":
+        return ReplayAction.RECORD if forward_only else ReplayAction.REPLAY
+    return ReplayAction.REPLAY
+
+
+def routed_rows(micro_batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``routed_experts`` of a micro-batch as packed rows ``[nnz, layers, top_k]`` and the input's cu_seqlens."""
+    input_ids = micro_batch["input_ids"]
+    offsets = input_ids.offsets() if input_ids.is_nested else None
+    routed = micro_batch.get(ROUTED_EXPERTS, None)
+    if routed is None:
+        raise RouterReplayError(f"the micro-batch has no '{ROUTED_EXPERTS}'")
+    if routed.is_nested:
+        if offsets is None:
+            raise RouterReplayError("routed_experts is nested but input_ids is not: cannot align them")
+        rows = routed.values()
+        routed_offsets = routed.offsets()
+        if routed_offsets.shape != offsets.shape or not torch.equal(routed_offsets.cpu(), offsets.cpu()):
+            raise RouterReplayError(
+                f"routed_experts rows per sample {routed_offsets.diff().tolist()} do not match the input_ids lengths "
+                f"{offsets.diff().tolist()}: routing must have one row per valid token (prompt + response)"
+            )
+        return rows, offsets
+    if routed.dim() != 4:
+        raise RouterReplayError(
+            f"routed_experts must be [batch, tokens, layers, top_k] (nested over tokens), got {tuple(routed.shape)}"
+        )
+    batch, width = routed.shape[:2]
+    if offsets is None:
+        offsets = torch.arange(batch + 1, device=routed.device) * width
+    lengths = offsets.diff()
+    if bool((lengths != width).any()):
+        raise RouterReplayError(
+            f"routed_experts is a dense [batch, {width}, ...] tensor but the samples have {lengths.tolist()} tokens"
+        )
+    return routed.reshape(batch * width, *routed.shape[2:]), offsets
+
+
+@dataclass
+class MicroBatchTargets:
+    """The reference routing of one micro-batch, aligned to the rows the routers see on this rank."""
+
+    dense: torch.Tensor  # [token rows, M, K] int64 on device, MISSING where a row has no data
+    token_mask: torch.Tensor  # [B, S] bool over the model input: True where a row is a real token
+
+
+@dataclass
+class ReplayPass:
+    """Routing sessions installed on the model for one ``forward_backward_batch`` call."""
+
+    action: ReplayAction
+    routing: ModelRouting
+    model: torch.nn.Module
+    natural: RoutingRecorder | None = None  # sees the router's own choice (installed before the replayer)
+    replayer: RoutingReplayer | None = None
+    used: RoutingRecorder | None = None  # sees the experts actually used (installed after the replayer)
+    targets: MicroBatchTargets | None = None
+    output_args: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def open(self) -> None:
+        """Install the recorder of the router's own choice (before any replayer, so it sees the live router)."""
+        self.natural = RoutingRecorder(self.model, self.routing, use_attention_mask=False)
+        self.natural.install()
+
+    def arm(self, targets: MicroBatchTargets | None) -> None:
+        """Prepare the sessions for the next micro-batch forward (its backward runs before the next ``arm``)."""
+        self.targets = targets
+        self.metrics = {}
+        assert self.natural is not None
+        self.natural.clear()
+        if self.used is not None:
+            self.used.clear()
+        if self.action is not ReplayAction.REPLAY:
+            return
+        assert targets is not None
+        trace = RoutingTrace.from_tensor(
+            targets.dense, num_experts=self.routing.layout.num_experts, layer_indices=self.routing.layout.moe_layers
+        )
+        if self.replayer is None:
+            self.replayer = RoutingReplayer(self.model, self.routing, trace, token_mask=targets.token_mask)
+            self.replayer.install()
+            self.used = RoutingRecorder(self.model, self.routing, use_attention_mask=False)
+            self.used.install()
+        else:
+            self.replayer.set_trace(trace, token_mask=targets.token_mask)
+
+    def close(self) -> None:
+        """Remove every session this pass installed."""
+        # Remove in reverse install order so every wrapper restores what it wrapped.
+        for session in (self.used, self.replayer, self.natural):
+            if session is not None:
+                session.remove()
+
+
+def last_forward_rows(recorder: RoutingRecorder | None) -> tuple[torch.Tensor, tuple[int, int]]:
+    """``[rows, M, K]`` ids (on the model's device) and ``(B, S)`` of the recorder's last forward."""
+    if recorder is None or not recorder.forwards:
+        raise RouterReplayError("no forward pass was recorded for this micro-batch")
+    fwd = recorder.forwards[-1]
+    if any(ids is None for ids in fwd.ids) or fwd.batch is None:
+        raise RouterReplayError("the micro-batch forward did not route through every MoE layer")
+    return torch.stack(list(fwd.ids), dim=1), fwd.batch
+
+
+def r2_drift_per_layer(natural: torch.Tensor, recorded: torch.Tensor, has_data: torch.Tensor) -> list[float]:
+    """Per MoE layer, the fraction of rows with data where the router's top-k set differs from the recorded one.
+
+    ``drift_l = sum_n 1[set(natural[n, l]) != set(recorded[n, l])] * has_data[n, l] / max(sum_n has_data[n, l], 1)``.
+
+    Args:
+        natural: ``[rows, moe_layers, top_k]`` expert ids the live router chose.
+        recorded: ``[rows, moe_layers, top_k]`` pi_old's recorded (replayed) ids.
+        has_data: ``[rows, moe_layers]`` bool, rows that carry recorded routing.
+    """
+    differ = (expert_sets_differ(natural, recorded) & has_data).sum(dim=0).double()
+    compared = has_data.sum(dim=0).clamp(min=1).double()
+    return (differ / compared).tolist()
