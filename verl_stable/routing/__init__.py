@@ -18,6 +18,11 @@ Usage::
 Every entry point validates what it is given (ids in range and distinct per row, integer counts, matching
 layouts) before narrowing it, and raises a typed error (``RoutingTraceError``, ``codecs.RoutingFormatError``,
 ``UnsupportedModelError``) that names what was expected.
+
+Modules: ``trace`` (RoutingTrace, RoutingLayout, storage dtype), ``families`` (per-family facts, model binding,
+doctor report) with ``gates`` (gate-weight formulas), ``replay`` (capture / replay) on ``hooks`` (hook machinery),
+``disagreement``, ``codecs`` (engine boundary), ``transport`` (rollout -> actor carriers), ``alignment`` (verl's
+token layouts), ``checks`` (every input check, in one place) and ``errors`` (the typed errors).
 """
 
 from verl_stable.routing.disagreement import expert_sets_differ, routing_disagreement

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from verl_stable.routing.trace import require_int
+from verl_stable.routing.checks import require_int
 
 __all__ = [
     "AlignedRows",

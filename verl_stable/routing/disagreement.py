@@ -6,6 +6,10 @@ differ: ``d[n, l] = 1[set(a[n, l]) != set(b[n, l])]`` (order of the top-k column
 * ``per_layer[l] = sum_n d[n, l] / #compared rows of layer l``
 * ``overall = sum_{n,l} d[n, l] / #compared (token, layer) rows``
 * ``token_any_layer = #tokens with d[n, l] = 1 for some l / #tokens compared in at least one layer``
+
+Inputs are checked first: both traces must be :class:`RoutingTrace` objects with equal layers, top-k, expert count
+and token count; raw id tensors (:func:`expert_sets_differ`) must be integer tensors of one shape ``[..., K]``, since
+a float "id" would compare by value (NaN never equals itself and would count as a flip).
 """
 
 from __future__ import annotations
@@ -14,11 +18,19 @@ from typing import Any
 
 import torch
 
-from verl_stable.routing.trace import RoutingTrace, RoutingTraceError
+from verl_stable.routing.checks import require_id_tensor
+from verl_stable.routing.errors import RoutingTraceError
+from verl_stable.routing.trace import RoutingTrace
 
 
 def expert_sets_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``[..., K]`` integer ids -> ``[...]`` bool, True where the two id sets differ (order-insensitive)."""
+    """``[..., K]`` integer ids -> ``[...]`` bool, True where the two id sets differ (order-insensitive).
+
+    Any integer values compare (``-1`` rows without data included; mask them out afterwards); floats, bools and
+    0-d tensors raise a :class:`RoutingTraceError`, as do shapes that differ.
+    """
+    require_id_tensor(a, "expert_sets_differ a")
+    require_id_tensor(b, "expert_sets_differ b")
     if a.shape != b.shape:
         raise RoutingTraceError(f"routing shapes differ: expected {tuple(a.shape)}, received {tuple(b.shape)}")
     return (a.sort(dim=-1).values != b.sort(dim=-1).values).any(dim=-1)
@@ -35,6 +47,9 @@ def routing_disagreement(a: RoutingTrace, b: RoutingTrace) -> dict[str, Any]:
         ``{"per_layer": list[float], "overall": float, "token_any_layer": float, "compared_rows": int,
         "tokens": int}``; rows missing in either trace are excluded from numerators and denominators.
     """
+    for name, trace in (("a", a), ("b", b)):
+        if not isinstance(trace, RoutingTrace):
+            raise TypeError(f"routing_disagreement needs RoutingTrace objects, got {type(trace).__name__} for {name}")
     a.check_compatible(b)
     if a.num_tokens != b.num_tokens:
         raise RoutingTraceError(

@@ -11,16 +11,14 @@ transformers 5.10:
 
 ``gate_weights(site, live, ids)`` recomputes the family's gate weights at given expert ids from the live tensor,
 with the family's own normalisation and scaling, so that replaying the model's own ids reproduces its output
-bit for bit and gradients reach the router:
-
-* softmax families: ``w = softmax(z)[ids]``, divided by ``sum_k w`` when the router renormalises.
-* Mixtral: as above, always renormalised, left in fp32.
-* GPT-OSS: ``w = softmax(z[ids])`` over the k selected logits.
-* sigmoid families: ``w = sigmoid(z)[ids] / (sum_k sigmoid(z)[ids] + 1e-20) * routed_scaling_factor`` (the
-  correction bias only affects which experts are chosen, never the weights).
+bit for bit and gradients reach the router; the formulas live in :mod:`verl_stable.routing.gates`.
 
 Adding a family is one ``FamilySpec`` entry in ``_SPECS``. Routing is indexed by absolute decoder layer at engine
 boundaries and by MoE-layer ordinal inside a RoutingTrace; ``RoutingLayout.moe_layers`` is the mapping.
+
+This module owns the family table, the MoE-layer rules, :func:`layout_from_config`, :func:`bind_model` (a model
+instance to its routing sites) and the ``verl-stable doctor --model`` report. Config integers are read with
+:func:`verl_stable.routing.checks.config_int`; ``UnsupportedModelError`` is defined there and importable here.
 """
 
 from __future__ import annotations
@@ -31,73 +29,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-import torch.nn.functional as F
 from torch import nn
 
+from verl_stable.routing.checks import config_int, config_int_value
+from verl_stable.routing.errors import UnsupportedModelError
+from verl_stable.routing.gates import (
+    GateWeights,
+    gpt_oss_gate_weights,
+    mixtral_gate_weights,
+    sigmoid_gate_weights,
+    softmax_gate_weights,
+)
 from verl_stable.routing.trace import RoutingLayout
 
 ROUTER_OUTPUT = "router_output"
 ROUTE_METHOD = "route_method"
 
-GateWeights = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 MoeLayers = Callable[[Any], tuple[int, ...]]
 
 
-class UnsupportedModelError(ValueError):
-    """The model's routing cannot be captured or replayed (unknown family, replaced MoE block, ...)."""
-
-
-# ----------------------------------------------------------------------------------------- gate weights
-def softmax_gate_weights(site: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Qwen / OLMoE: ``p = softmax_fp32(z)``; ``w = p[ids]``, renormalised if ``norm_topk_prob``; cast to z's dtype."""
-    w = F.softmax(logits, dtype=torch.float, dim=-1).gather(-1, ids)
-    if getattr(site, "norm_topk_prob", True):
-        w = w / w.sum(dim=-1, keepdim=True)
-    return w.to(logits.dtype)
-
-
-def mixtral_gate_weights(site: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Mixtral: ``w = softmax(float(z))[ids] / sum_k``, kept in fp32."""
-    w = F.softmax(logits.float(), dim=-1).gather(-1, ids)
-    return w / w.sum(dim=-1, keepdim=True)
-
-
-def gpt_oss_gate_weights(site: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """GPT-OSS: softmax over the selected logits only, ``w = softmax(z[ids])``."""
-    selected = logits.gather(-1, ids)
-    return F.softmax(selected, dim=1, dtype=selected.dtype)
-
-
-def sigmoid_gate_weights(site: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """DeepSeek-V3 / GLM-4.5: ``s = sigmoid(z)``; ``w = s[ids] / (sum_k s[ids] + 1e-20) * routed_scaling_factor``."""
-    w = logits.sigmoid().gather(1, ids)
-    if site.norm_topk_prob:
-        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-    return w * site.routed_scaling_factor
-
-
 # ------------------------------------------------------------------------------------- MoE layer rules
-def config_int(config: Any, attr: str, default: int | None = None, *, minimum: int = 0) -> int:
-    """An integer config attribute (``None`` / absent -> ``default``); a non-integer, fractional or too small value
-    raises :class:`UnsupportedModelError` naming the attribute (never truncated: ``8.5`` experts is not 8)."""
-    value = getattr(config, attr, None)
-    if value is None and default is not None:
-        return default
-    return _as_config_int(value, attr, minimum)
-
-
-def _as_config_int(value: Any, attr: str, minimum: int = 0) -> int:
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise UnsupportedModelError(f"config {attr} must be an integer, got {type(value).__name__} {value!r:.80}")
-    if value < minimum:
-        raise UnsupportedModelError(f"config {attr} must be >= {minimum}, got {value}")
-    return int(value)
-
-
 def every_layer(config: Any) -> tuple[int, ...]:
     """Every decoder layer is MoE."""
     return tuple(range(config_int(config, "num_hidden_layers")))
@@ -108,7 +59,7 @@ def qwen_sparse_layers(config: Any) -> tuple[int, ...]:
     only = getattr(config, "mlp_only_layers", None) or ()
     if isinstance(only, (str, bytes)) or not isinstance(only, (list, tuple, set, frozenset)):
         raise UnsupportedModelError(f"config mlp_only_layers must be a list of layer indices, got {only!r:.80}")
-    only_dense = {_as_config_int(i, "mlp_only_layers entry") for i in only}
+    only_dense = {config_int_value(i, "mlp_only_layers entry") for i in only}
     step = config_int(config, "decoder_sparse_step", 1) or 1
     if config_int(config, "num_experts", 0) <= 0:
         return ()

@@ -1,13 +1,8 @@
 """Record (``capture``) and force (``replay``) the expert routing of a Hugging Face MoE model.
 
-Both context managers install a small state machine on the model's routing sites (see ``families.py``): a forward
-hook on every router module, or an instance-level wrapper of the MoE block's ``route_tokens_to_experts``, plus a
-pre/post forward hook on the model itself. Everything is removed when the context exits, also on exceptions.
-
-Rows. A routing site sees the hidden states flattened row-major over ``[batch, seq]``. The model-level pre-hook
-reads the call's ``input_ids`` (or ``inputs_embeds``) and 2-D ``attention_mask``; the rows of a trace are the
-valid tokens (``attention_mask[:, -seq:] != 0``) in row-major order. Without a mask every row is a token (packed,
-padding-removed inputs: batch 1, consecutive rows). An explicit ``token_mask`` overrides the attention mask.
+Both context managers install hooks on the model's routing sites and on the model itself (the machinery, and how
+the rows of a forward are the valid tokens of its attention mask or ``token_mask``, is in :mod:`.hooks`);
+everything is removed when the context exits, also on exceptions.
 
 Capture with a KV cache (rollout). Every forward appends its rows in call order: the prefill forward gives the
 prompt's valid tokens, each decode forward (``input_ids`` [B, 1], ``attention_mask`` [B, past + 1]) one row per
@@ -15,36 +10,37 @@ sequence. ``RoutingRecorder.per_sequence()`` regroups them per batch row (left p
 routing of every token that was *fed* to the model: ``prompt_len + generated - 1`` rows per sequence, the same
 convention as vLLM's ``routed_experts``. The caller trims rows of tokens fed after a sequence finished.
 
-Replay. Only the selection is replaced: gate weights are recomputed by the family's own formula from the live,
-differentiable router output at the replayed ids, so gradients reach the router, and replaying a model's own
-captured trace reproduces its outputs bit for bit. Rows without routing data (``valid`` False / ``-1``) and rows
-outside the trace (padding) keep the model's own routing and are counted in ``ReplayStats``. Replay is keyed by
-MoE layer, not by a consuming cursor, so the recompute of gradient checkpointing (which re-runs layers during
-backward, outside the model's forward) sees the same rows. Run ``backward`` inside the context; to switch
-micro-batches call ``set_trace`` instead of leaving the context.
+Replay. Only the selection is replaced: gate weights are recomputed by the family's own formula
+(:mod:`.gates`) from the live, differentiable router output at the replayed ids, so gradients reach the router,
+and replaying a model's own captured trace reproduces its outputs bit for bit. Rows without routing data
+(``valid`` False / ``-1``) and rows outside the trace (padding) keep the model's own routing and are counted in
+``ReplayStats``: a replay never invents routing. Replay is keyed by MoE layer, not by a consuming cursor, so the
+recompute of gradient checkpointing (which re-runs layers during backward, outside the model's forward) sees the
+same rows. Run ``backward`` inside the context; to switch micro-batches call ``set_trace`` instead of leaving it.
+
+Every trace handed to a replay is checked against the model (MoE layers, top-k, expert count, decoder layers; the
+error names expected and received) and its ids again for range and distinct ids per row with data: a frozen
+trace still holds mutable tensors, and an id edited in place after construction would index out of range (a
+device-side assert on GPU) or weight one expert twice.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from verl_stable.routing.families import (
-    ROUTE_METHOD,
-    ROUTER_OUTPUT,
-    ModelRouting,
-    RoutingSite,
-    UnsupportedModelError,
-    bind_model,
-)
-from verl_stable.routing.trace import RoutingLayout, RoutingTrace, RoutingTraceError, storage_dtype
+from verl_stable.routing.checks import check_distinct_ids, check_id_range
+from verl_stable.routing.errors import RoutingTraceError
+from verl_stable.routing.families import ModelRouting, RoutingSite, bind_model
+from verl_stable.routing.hooks import _Forward, _RoutingSession
+from verl_stable.routing.trace import RoutingTrace, storage_dtype
 
-_ROUTE_METHOD_NAME = "route_tokens_to_experts"
+__all__ = ["ReplayStats", "RoutingRecorder", "RoutingReplayer", "capture", "replay"]
 
 
 @dataclass
@@ -68,183 +64,6 @@ class ReplayStats:
     def as_dict(self) -> dict[str, int]:
         """Plain dict for logging."""
         return dict(self.__dict__)
-
-
-@dataclass
-class _Forward:
-    rows: int | None  # B * S when known
-    batch: tuple[int, int] | None
-    mask: torch.Tensor | None  # [B, S] bool, True = token row
-    ids: list[torch.Tensor | None] = field(default_factory=list)
-
-
-def _token_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int] | None:
-    tokens = kwargs.get("input_ids")
-    if tokens is None and args and isinstance(args[0], torch.Tensor):
-        tokens = args[0]
-    if isinstance(tokens, torch.Tensor) and tokens.dim() == 2:
-        return int(tokens.shape[0]), int(tokens.shape[1])
-    embeds = kwargs.get("inputs_embeds")
-    if isinstance(embeds, torch.Tensor) and embeds.dim() == 3:
-        return int(embeds.shape[0]), int(embeds.shape[1])
-    return None
-
-
-def _row_mask(
-    batch: tuple[int, int] | None, attention_mask: Any, token_mask: torch.Tensor | None
-) -> torch.Tensor | None:
-    """``[B, S]`` bool of token rows, or None when every routed row is a token."""
-    if token_mask is not None:
-        if batch is not None and token_mask.numel() != batch[0] * batch[1]:
-            raise RoutingTraceError(
-                f"token_mask has {token_mask.numel()} entries ({tuple(token_mask.shape)}) but the forward has "
-                f"{batch[0]}x{batch[1]} token rows"
-            )
-        return token_mask.reshape(batch if batch is not None else (1, -1)).bool()
-    if batch is None or not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
-        return None
-    b, s = batch
-    if attention_mask.shape[0] != b or attention_mask.shape[1] < s:
-        raise RoutingTraceError(
-            f"attention_mask of shape {tuple(attention_mask.shape)} does not cover input of shape ({b}, {s})"
-        )
-    return attention_mask[:, -s:] != 0
-
-
-class _RouteDispatcher:
-    """Instance-level ``route_tokens_to_experts`` shared by every open routing context on one MoE block.
-
-    Contexts attach in entry order and each sees the output of the previous one (like chained forward hooks), so
-    they may exit in any order; the block's original attribute state is restored when the last one detaches.
-    """
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-        self.had_instance_attr = _ROUTE_METHOD_NAME in vars(module)
-        self.previous = vars(module).get(_ROUTE_METHOD_NAME)
-        self.inner = getattr(module, _ROUTE_METHOD_NAME)
-        self.listeners: list[tuple[_RoutingSession, RoutingSite]] = []
-
-    def __call__(self, router_logits: torch.Tensor) -> Any:
-        out = self.inner(router_logits)
-        for session, site in list(self.listeners):
-            new = session._on_site(site, router_logits, out)
-            out = out if new is None else new
-        return out
-
-    def detach(self, session: _RoutingSession) -> None:
-        self.listeners = [(s, site) for s, site in self.listeners if s is not session]
-        if self.listeners:
-            return
-        if self.had_instance_attr:
-            setattr(self.module, _ROUTE_METHOD_NAME, self.previous)
-        else:
-            delattr(self.module, _ROUTE_METHOD_NAME)
-
-
-class _RoutingSession:
-    """Shared machinery: hooks on the model and on every routing site, forward bookkeeping, clean removal."""
-
-    def __init__(self, model: nn.Module, routing: ModelRouting, use_attention_mask: bool = True) -> None:
-        self.model = model
-        self.routing = routing
-        self.use_attention_mask = use_attention_mask
-        self.token_mask: torch.Tensor | None = None
-        self._in_forward = False
-        self._current: _Forward | None = None
-        self._seen: set[int] = set()
-        self._handles: list[Any] = []
-        self._wrapped: list[nn.Module] = []
-
-    @property
-    def layout(self) -> RoutingLayout:
-        """The model's routing layout."""
-        return self.routing.layout
-
-    # -------------------------------------------------------------- install / remove
-    def install(self) -> None:
-        try:
-            self._handles.append(self.model.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
-            self._handles.append(self.model.register_forward_hook(self._post_forward))
-            for site in self.routing.sites:
-                self._install_site(site)
-        except BaseException:
-            self.remove()
-            raise
-
-    def _install_site(self, site: RoutingSite) -> None:
-        module = site.module
-        if self.routing.spec.site_kind == ROUTER_OUTPUT:
-
-            def hook(_module: nn.Module, _args: Any, out: Any, _site: RoutingSite = site) -> Any:
-                return self._on_site(_site, out[0], out)
-
-            self._handles.append(module.register_forward_hook(hook))
-            return
-        assert self.routing.spec.site_kind == ROUTE_METHOD
-        dispatcher = vars(module).get(_ROUTE_METHOD_NAME)
-        if not isinstance(dispatcher, _RouteDispatcher):
-            dispatcher = _RouteDispatcher(module)
-            setattr(module, _ROUTE_METHOD_NAME, dispatcher)
-        dispatcher.listeners.append((self, site))
-        self._wrapped.append(module)
-
-    def remove(self) -> None:
-        for handle in reversed(self._handles):
-            handle.remove()
-        self._handles.clear()
-        for module in self._wrapped:
-            dispatcher = vars(module).get(_ROUTE_METHOD_NAME)
-            if isinstance(dispatcher, _RouteDispatcher):
-                dispatcher.detach(self)
-        self._wrapped.clear()
-
-    # ------------------------------------------------------------- forward tracking
-    def _pre_forward(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        batch = _token_shape(args, kwargs)
-        attention_mask = kwargs.get("attention_mask")
-        if attention_mask is None and len(args) > 1:
-            attention_mask = args[1]
-        mask = _row_mask(batch, attention_mask if self.use_attention_mask else None, self.token_mask)
-        rows = None if batch is None else batch[0] * batch[1]
-        self._current = _Forward(rows=rows, batch=batch, mask=mask, ids=[None] * len(self.routing.sites))
-        self._seen = set()
-        self._in_forward = True
-        self._begin_forward(self._current)
-
-    def _post_forward(self, _module: nn.Module, _args: Any, _out: Any) -> None:
-        self._in_forward = False
-        missing = [s.layer for s in self.routing.sites if s.ordinal not in self._seen]
-        if missing:
-            raise UnsupportedModelError(
-                f"the routers of MoE decoder layers {missing} did not run during this forward: the MoE block was "
-                "bypassed (hub kernel or a custom forward?), so routing was neither captured nor replayed"
-            )
-
-    def _on_site(self, site: RoutingSite, live: torch.Tensor, out: Any) -> Any:
-        first_call = self._in_forward and site.ordinal not in self._seen
-        self._seen.add(site.ordinal)
-        own = out[2] if self.routing.spec.site_kind == ROUTER_OUTPUT else out[0]
-        fwd = self._current
-        if fwd is not None and fwd.rows is not None and own.shape[0] != fwd.rows:
-            raise RoutingTraceError(
-                f"MoE layer {site.layer} routed {own.shape[0]} rows but the forward input has "
-                f"{fwd.batch[0]}x{fwd.batch[1]} tokens"  # type: ignore[index]
-            )
-        return self._route(site, live, out, own, first_call)
-
-    # ------------------------------------------------------------ subclass points
-    def _begin_forward(self, fwd: _Forward) -> None:
-        pass
-
-    def _route(self, site: RoutingSite, live: torch.Tensor, out: Any, own: torch.Tensor, first_call: bool) -> Any:
-        raise NotImplementedError
-
-    def _rebuild(self, site: RoutingSite, live: torch.Tensor, out: Any, ids: torch.Tensor) -> Any:
-        weights = self.routing.spec.gate_weights(site.module, live, ids)
-        if self.routing.spec.site_kind == ROUTER_OUTPUT:
-            return (out[0], weights, ids)
-        return (ids, weights)
 
 
 class RoutingRecorder(_RoutingSession):
@@ -361,9 +180,17 @@ class RoutingReplayer(_RoutingSession):
         if not isinstance(trace, RoutingTrace):
             raise TypeError(f"replay needs a RoutingTrace, got {type(trace).__name__} (use RoutingTrace.from_tensor)")
         trace.validate_for(self.layout)
+        try:
+            check_id_range(trace.ids, trace.num_experts)
+            check_distinct_ids(trace.ids, trace.valid)
+        except RoutingTraceError as exc:
+            raise RoutingTraceError(f"replay: {exc} (the trace's tensors were modified after it was built)") from None
         if token_mask is not None:
-            if not isinstance(token_mask, torch.Tensor) or token_mask.dtype != torch.bool:
-                raise RoutingTraceError("token_mask must be a bool tensor")
+            if not isinstance(token_mask, torch.Tensor):
+                raise RoutingTraceError(f"token_mask must be a bool tensor, got {type(token_mask).__name__}")
+            if token_mask.is_nested or token_mask.dtype != torch.bool:
+                got = "a nested tensor" if token_mask.is_nested else token_mask.dtype
+                raise RoutingTraceError(f"token_mask must be a bool tensor, got {got}")
             if int(token_mask.sum()) != trace.num_tokens:
                 raise RoutingTraceError(
                     f"token_mask marks {int(token_mask.sum())} token rows but the trace has {trace.num_tokens}"

@@ -13,55 +13,48 @@ rows are the sentinel ``-1``; the dense form carries ids only, so pass ``lengths
 ``state_dict`` / ``from_state_dict``, which keep everything.
 
 Every constructor validates before it narrows: ids in ``[0, num_experts)``, distinct within each valid row,
-integer counts and layer indices; a :class:`RoutingTraceError` names what was expected and received.
+integer counts and layer indices; a :class:`RoutingTraceError` names what was expected and received. The checks
+(``require_int``, ``require_layers``, ``first_repeated_row``, ...) live in :mod:`verl_stable.routing.checks` and the
+error in :mod:`verl_stable.routing.errors`, both importable from here as before; this module owns the trace, the
+layout and ``storage_dtype``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from verl_stable.routing.checks import (
+    check_distinct_ids,
+    check_id_range,
+    check_valid_mask,
+    dense_ids,
+    first_repeated_row,
+    ids_already_checked,
+    ids_checked,
+    require_int,
+    require_layers,
+    trace_lengths,
+)
+from verl_stable.routing.errors import RoutingTraceError
+
+__all__ = [
+    "MISSING",
+    "RoutingLayout",
+    "RoutingTrace",
+    "RoutingTraceError",
+    "first_repeated_row",
+    "require_int",
+    "require_layers",
+    "storage_dtype",
+]
+
 MISSING = -1
 """Sentinel for a (token, layer) row without routing data in the dense tensor form."""
-
-
-class RoutingTraceError(ValueError):
-    """A trace is malformed or does not match the model / another trace it is used with."""
-
-
-def require_int(value: Any, what: str, *, minimum: int | None = None, error: type = RoutingTraceError) -> int:
-    """``value`` as a Python int: an int, numpy integer or 0-d integer tensor (never a bool, float or string).
-
-    Raises ``error`` naming ``what`` and the expected range; floats are refused rather than truncated.
-    """
-    if isinstance(value, torch.Tensor) and value.dim() == 0 and _is_integer_dtype(value.dtype):
-        value = value.item()
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise error(f"{what} must be an integer, got {type(value).__name__} {value!r:.80}")
-    out = int(value)
-    if minimum is not None and out < minimum:
-        raise error(f"{what} must be >= {minimum}, got {out}")
-    return out
-
-
-def _is_integer_dtype(dtype: torch.dtype) -> bool:
-    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
-
-
-def require_layers(values: Any, what: str, *, error: type = RoutingTraceError) -> tuple[int, ...]:
-    """Decoder-layer indices as a tuple of strictly ascending non-negative ints."""
-    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, (Sequence, torch.Tensor, np.ndarray)):
-        raise error(f"{what} must be a sequence of decoder-layer indices, got {type(values).__name__}")
-    out = tuple(require_int(v, f"{what} entry", minimum=0, error=error) for v in list(values))
-    if any(b <= a for a, b in zip(out, out[1:], strict=False)):
-        raise error(f"{what} must be strictly ascending decoder-layer indices, got {list(out)}")
-    return out
 
 
 def storage_dtype(num_experts: int) -> torch.dtype:
@@ -141,66 +134,6 @@ class RoutingLayout:
         return self.num_moe_layers * self.top_k * self.trace_dtype.itemsize
 
 
-def _as_lengths(lengths: Sequence[int] | torch.Tensor | None, num_tokens: int) -> torch.Tensor:
-    if lengths is None:
-        return torch.tensor([num_tokens], dtype=torch.long)
-    try:
-        out = torch.as_tensor(lengths if isinstance(lengths, torch.Tensor) else list(lengths) or [], dtype=None)
-        out = out.long() if out.numel() == 0 else out
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise RoutingTraceError(f"lengths must be integer token counts, got {type(lengths).__name__}: {exc}") from exc
-    if not _is_integer_dtype(out.dtype) or out.dim() > 1:
-        raise RoutingTraceError(f"lengths must be a 1-D integer sequence, got {out.dtype} {tuple(out.shape)}")
-    out = out.to(dtype=torch.long, device="cpu").reshape(-1)
-    if (out < 0).any():
-        raise RoutingTraceError(f"lengths must be >= 0, got {out.tolist()}")
-    total = int(out.sum())
-    if total != num_tokens:
-        raise RoutingTraceError(f"lengths sum to {total} but the trace has {num_tokens} token rows")
-    return out
-
-
-_DUP_CHUNK_ROWS = 8192
-_IDS_CHECKED: ContextVar[bool] = ContextVar("verl_stable_routing_ids_checked", default=False)
-
-
-@contextmanager
-def _ids_checked() -> Iterator[None]:
-    """Inside, ``RoutingTrace(...)`` skips its id scan (range, distinct ids; every other field is still checked): for
-    ids validated already, as slices / concatenations of traces and ``rows_to_trace`` after ``validate_ids`` are."""
-    token = _IDS_CHECKED.set(True)
-    try:
-        yield
-    finally:
-        _IDS_CHECKED.reset(token)
-
-
-def first_repeated_row(ids: torch.Tensor, valid: torch.Tensor | None = None) -> tuple[int, int] | None:
-    """``(token, layer)`` of the first row of ``ids [N, L, K]`` that repeats an expert id (rows with ``valid``
-    False are ignored), or None. Pairwise compares for small K (faster than a sort), chunked to bound memory."""
-    k = ids.shape[2]
-    if k < 2 or ids.numel() == 0:
-        return None
-    for lo in range(0, ids.shape[0], _DUP_CHUNK_ROWS):
-        chunk = ids[lo : lo + _DUP_CHUNK_ROWS]
-        chunk = chunk.to(torch.int32) if chunk.dtype == torch.uint16 else chunk
-        if k <= 16:
-            cols = chunk.permute(2, 0, 1).contiguous()
-            dup = torch.zeros(chunk.shape[:2], dtype=torch.bool, device=chunk.device)
-            for i in range(k - 1):
-                for j in range(i + 1, k):
-                    dup |= cols[i] == cols[j]
-        else:
-            ordered = chunk.sort(dim=-1).values
-            dup = (ordered[..., 1:] == ordered[..., :-1]).any(dim=-1)
-        if valid is not None:
-            dup &= valid[lo : lo + _DUP_CHUNK_ROWS].to(dup.device)
-        if bool(dup.any()):
-            n, layer = dup.nonzero()[0].tolist()
-            return lo + n, layer
-    return None
-
-
 @dataclass(frozen=True, eq=False)
 class RoutingTrace:
     """Top-k expert ids of every token in every MoE layer, ragged over responses.
@@ -234,33 +167,14 @@ class RoutingTrace:
             )
         if ids.shape[1] < 1 or ids.shape[2] < 1:
             raise RoutingTraceError(f"a trace needs >= 1 MoE layer and top_k >= 1, got shape {tuple(ids.shape)}")
-        scan = ids.numel() and not _IDS_CHECKED.get()
+        scan = not ids_already_checked()
         if scan:
-            # uint16 lacks reductions in torch; widen for the range check only
-            hi = int(ids.max()) if ids.dtype != torch.uint16 else int(ids.to(torch.int32).max())
-            lo = int(ids.min()) if ids.dtype == torch.int32 else 0
-            if hi >= num_experts or lo < 0:
-                raise RoutingTraceError(
-                    f"expert id {hi if hi >= num_experts else lo} out of range: expected ids in [0, {num_experts})"
-                )
-        object.__setattr__(self, "lengths", _as_lengths(self.lengths, ids.shape[0]))
-        valid = self.valid
-        if valid is not None:
-            is_tensor = isinstance(valid, torch.Tensor) and not valid.is_nested
-            if not is_tensor or valid.dtype != torch.bool or tuple(valid.shape) != tuple(ids.shape[:2]):
-                got = f"{valid.dtype} {tuple(valid.shape)}" if is_tensor else type(valid).__name__
-                raise RoutingTraceError(f"valid must be a bool tensor of shape {tuple(ids.shape[:2])}, got {got}")
-            if valid.device != ids.device:
-                raise RoutingTraceError(f"valid is on {valid.device} but ids are on {ids.device}")
-            if bool(valid.all()):
-                object.__setattr__(self, "valid", valid := None)
-        repeated = first_repeated_row(ids, valid) if scan else None
-        if repeated is not None:
-            n, layer = repeated
-            raise RoutingTraceError(
-                f"token {n}, MoE layer {layer} repeats an expert id ({ids[n, layer].tolist()}): top-k ids must be "
-                "distinct in every row with routing data"
-            )
+            check_id_range(ids, num_experts)
+        object.__setattr__(self, "lengths", trace_lengths(self.lengths, ids.shape[0]))
+        valid = check_valid_mask(self.valid, ids)
+        object.__setattr__(self, "valid", valid)
+        if scan:
+            check_distinct_ids(ids, valid)
         if self.layer_indices is not None:
             layer_indices = require_layers(self.layer_indices, "layer_indices")
             if len(layer_indices) != ids.shape[1]:
@@ -322,29 +236,7 @@ class RoutingTrace:
             The compact trace (ids on CPU in ``storage_dtype(E)``).
         """
         num_experts = require_int(num_experts, "num_experts", minimum=1)
-        if not isinstance(ids, torch.Tensor) or ids.is_nested:
-            raise RoutingTraceError(f"ids must be a dense torch.Tensor, got {type(ids).__name__}")
-        if not _is_integer_dtype(ids.dtype):
-            raise RoutingTraceError(f"ids must be an integer tensor, got {ids.dtype}")
-        if ids.dim() != 3:
-            raise RoutingTraceError(f"ids must be [tokens, moe_layers, top_k], got shape {tuple(ids.shape)}")
-        ids = ids.detach().to(device="cpu", dtype=torch.long)
-        missing = ids == MISSING
-        row_missing = missing.all(dim=-1)
-        if bool((missing.any(dim=-1) & ~row_missing).any()):
-            n, layer = (missing.any(dim=-1) & ~row_missing).nonzero()[0].tolist()
-            raise RoutingTraceError(
-                f"row (token {n}, layer {layer}) mixes -1 with expert ids {ids[n, layer].tolist()}; "
-                "a missing row must be -1 in every top-k slot"
-            )
-        present = ids[~row_missing]
-        if present.numel():
-            lo, hi = int(present.min()), int(present.max())
-            if lo < 0 or hi >= num_experts:
-                bad = lo if lo < 0 else hi
-                raise RoutingTraceError(
-                    f"expert id {bad} out of range: expected ids in [0, {num_experts}) (or -1 for a missing row)"
-                )
+        ids, row_missing = dense_ids(ids, num_experts, missing=MISSING)
         valid = None if not bool(row_missing.any()) else ~row_missing
         # in range, so narrowing is exact; the constructor refuses repeated ids in rows with data
         compact = ids.clamp_min(0).to(storage_dtype(num_experts))
@@ -390,7 +282,7 @@ class RoutingTrace:
         if not 0 <= start <= stop <= self.num_tokens:
             raise IndexError(f"token rows [{start}, {stop}) out of range for a trace of {self.num_tokens} rows")
         valid = None if self.valid is None else self.valid[start:stop]
-        with _ids_checked():  # rows of a checked trace
+        with ids_checked():  # rows of a checked trace
             return RoutingTrace(self.ids[start:stop], self.num_experts, None, valid, self.layer_indices)
 
     @classmethod
@@ -406,7 +298,7 @@ class RoutingTrace:
             first.check_compatible(t)
         valid = torch.cat([t.valid_mask() for t in traces]) if any(t.valid is not None for t in traces) else None
         ids, lengths = torch.cat([t.ids for t in traces]), torch.cat([t.lengths for t in traces])
-        with _ids_checked():  # rows of checked traces with one expert count
+        with ids_checked():  # rows of checked traces with one expert count
             return cls(ids, first.num_experts, lengths, valid, first.layer_indices)
 
     # ------------------------------------------------------------ validation

@@ -27,6 +27,8 @@ keep the model's own routing. Pure torch/numpy; no verl import.
 Everything that arrives here is checked before it is narrowed or indexed: routing ids against the layout (range,
 distinct ids per row, as at the engine boundary), spans and lengths as non-negative integers, packed index arrays
 for consistency. Malformed routing raises a :class:`~verl_stable.routing.codecs.RoutingFormatError`.
+The structural checks (integer dtypes, spans, counts) come from :mod:`verl_stable.routing.checks`, the id checks
+and the one narrowing step (``validated_ids_tensor``) from :mod:`verl_stable.routing.codecs`.
 """
 
 from __future__ import annotations
@@ -34,21 +36,20 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from verl_stable.routing.codecs import (
-    ExpertIdRangeError,
-    LayerMapError,
-    RoutedRows,
-    RoutingFormatError,
-    RowCountError,
-    rows_to_trace,
-    smallest_uint_dtype,
-    validate_rows,
+from verl_stable.routing.checks import (
+    counts,
+    require_int,
+    require_integer_tensor,
+    require_layers,
+    span_pairs,
+    unbind_integer,
 )
-from verl_stable.routing.codecs.common import _require_layout
-from verl_stable.routing.trace import RoutingLayout, RoutingTrace, require_int, require_layers, storage_dtype
+from verl_stable.routing.codecs import RoutedRows, rows_to_trace, validate_rows
+from verl_stable.routing.codecs.common import _require_layout, validated_ids_tensor
+from verl_stable.routing.errors import ExpertIdRangeError, LayerMapError, RoutingFormatError, RowCountError
+from verl_stable.routing.trace import RoutingLayout, RoutingTrace, storage_dtype
 
 __all__ = [
     "IDS_FIELD",
@@ -71,14 +72,6 @@ def _empty(layout: RoutingLayout) -> torch.Tensor:
     return torch.zeros(0, layout.num_moe_layers, layout.top_k, dtype=storage_dtype(layout.num_experts))
 
 
-def _ids_tensor(rows: RoutedRows, layout: RoutingLayout, what: str) -> torch.Tensor:
-    validate_rows(rows, layout, what)  # range and distinct ids, before the narrowing below
-    # engines may hand out read-only buffers: copy those rather than let torch alias them
-    return torch.from_numpy(
-        np.require(rows.ids.astype(smallest_uint_dtype(layout.num_experts), copy=False), requirements="CW")
-    )
-
-
 # ------------------------------------------------------------------------------------------- per-sample fields
 def sample_fields(rows: RoutedRows | None, layout: RoutingLayout) -> dict[str, torch.Tensor]:
     """The two per-sample tensors that carry one sample's routing (``None``: no routing, replay nothing)."""
@@ -88,58 +81,9 @@ def sample_fields(rows: RoutedRows | None, layout: RoutingLayout) -> dict[str, t
     if rows is None or rows.num_rows == 0:
         return {IDS_FIELD: _empty(layout), SPAN_FIELD: torch.zeros(2, dtype=torch.int64)}
     return {
-        IDS_FIELD: _ids_tensor(rows, layout, "sample_fields"),
+        IDS_FIELD: validated_ids_tensor(rows, layout, "sample_fields"),
         SPAN_FIELD: torch.tensor([rows.start, rows.stop], dtype=torch.int64),
     }
-
-
-def _is_integer(part: torch.Tensor) -> bool:
-    return not (part.dtype.is_floating_point or part.dtype.is_complex or part.dtype == torch.bool)
-
-
-def _require_integer(part: torch.Tensor, what: str) -> None:
-    if not _is_integer(part):
-        raise RoutingFormatError(f"{what}: expected integers, got dtype {part.dtype}")
-
-
-def _unbind(ids: torch.Tensor | Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
-    """Per-sample integer tensors of a jagged / stacked tensor or a list of tensors."""
-    if isinstance(ids, torch.Tensor):
-        parts = list(ids.unbind()) if ids.is_nested else list(ids.unbind(0)) if ids.dim() else [ids]
-    elif isinstance(ids, (list, tuple)):
-        parts = list(ids)
-    else:
-        raise RoutingFormatError(f"{what}: expected a tensor or a list of tensors, got {type(ids).__name__}")
-    for i, part in enumerate(parts):
-        if not isinstance(part, torch.Tensor):
-            raise RoutingFormatError(f"{what} entry {i}: expected a tensor, got {type(part).__name__}")
-        _require_integer(part, f"{what} entry {i}")
-    return parts
-
-
-def _spans_tensor(spans: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
-    """``[B, 2]`` int64 spans; TransferQueue hands per-sample fields back as a jagged tensor even when equal-sized.
-
-    Integer dtypes only (a float span would be truncated), ``0 <= start <= stop``.
-    """
-    if isinstance(spans, torch.Tensor) and not spans.is_nested:
-        _require_integer(spans, SPAN_FIELD)
-        if spans.numel() % 2:
-            raise RowCountError(f"{SPAN_FIELD} must be [B, 2] (start, stop), got shape {tuple(spans.shape)}")
-        out = spans.detach().cpu().reshape(-1, 2).to(torch.int64)
-    else:
-        parts = _unbind(spans, SPAN_FIELD)
-        if any(p.numel() != 2 for p in parts):
-            raise RowCountError(
-                f"every {SPAN_FIELD} entry must be [start, stop], got {[tuple(p.shape) for p in parts]}"
-            )
-        stacked = [p.detach().cpu().reshape(2).to(torch.int64) for p in parts]
-        out = torch.stack(stacked) if stacked else torch.zeros(0, 2, dtype=torch.int64)
-    bad = (out[:, 0] < 0) | (out[:, 1] < out[:, 0])
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        raise RowCountError(f"sample {i}: span {out[i].tolist()} is not [start, stop) with 0 <= start <= stop")
-    return out
 
 
 def rows_from_fields(
@@ -153,8 +97,8 @@ def rows_from_fields(
     Structure (integer dtypes, span sizes) is always checked; with ``layout`` the ids are validated too
     (:func:`~verl_stable.routing.codecs.validate_ids`). :func:`trace_from_fields` validates them once, on the way in.
     """
-    parts = _unbind(ids, IDS_FIELD)
-    spans = _spans_tensor(spans)
+    parts = unbind_integer(ids, IDS_FIELD)
+    spans = span_pairs(spans, SPAN_FIELD)
     if len(parts) != spans.shape[0]:
         raise RowCountError(f"{len(parts)} routing entries but {spans.shape[0]} spans")
     layout = None if layout is None else _require_layout(layout)
@@ -180,20 +124,7 @@ def trace_from_fields(
     The ids are validated against ``layout`` (in :func:`~verl_stable.routing.codecs.rows_to_trace`) before they
     are narrowed to the trace's dtype.
     """
-    return rows_to_trace(rows_from_fields(ids, spans), _lengths(seq_lens, "seq_lens"), _require_layout(layout))
-
-
-def _lengths(values: Sequence[int] | torch.Tensor, what: str) -> list[int]:
-    """Non-negative integer counts (an integer tensor / array or a sequence of integers)."""
-    if isinstance(values, np.ndarray):
-        values = torch.from_numpy(values) if values.dtype.kind in "iub" else values.astype(np.float64)
-    if isinstance(values, (torch.Tensor, np.ndarray)):
-        if not isinstance(values, torch.Tensor) or not _is_integer(values):
-            raise RowCountError(f"{what} must be integers, got dtype {values.dtype}")
-        values = values.reshape(-1).tolist()
-    elif not isinstance(values, Sequence) or isinstance(values, (str, bytes)):
-        raise RowCountError(f"{what} must be a sequence of integers, got {type(values).__name__}")
-    return [require_int(v, f"{what}[{i}]", minimum=0, error=RowCountError) for i, v in enumerate(values)]
+    return rows_to_trace(rows_from_fields(ids, spans), counts(seq_lens, "seq_lens"), _require_layout(layout))
 
 
 def dense_rows_from_fields(
@@ -214,7 +145,7 @@ def dense_rows_from_fields(
         int64 ``[offsets[-1], num_moe_layers, top_k]``: row ``offsets[i] + t`` is token ``t`` of sample ``i``;
         ``MISSING`` (-1) in every slot of a row the engine did not record.
     """
-    cu = torch.as_tensor(_lengths(offsets, "offsets"), dtype=torch.long)
+    cu = torch.as_tensor(counts(offsets, "offsets"), dtype=torch.long)
     if cu.numel() == 0 or int(cu[0]) != 0:
         raise RowCountError(f"offsets must start at 0 ([B + 1] CSR offsets), got {cu.tolist()[:8]}")
     lens = cu.diff()
@@ -289,7 +220,7 @@ class PackedRouting:
             value = getattr(self, name)
             if not isinstance(value, torch.Tensor) or value.is_nested or value.dim() != 1:
                 raise RowCountError(f"PackedRouting.{name} must be a 1-D int64 tensor, got {type(value).__name__}")
-            _require_integer(value, f"PackedRouting.{name}")
+            require_integer_tensor(value, f"PackedRouting.{name}")
             setattr(self, name, value.detach().cpu().to(torch.int64))
         offsets, batch = self.segment_offsets, self.start.numel()
         if (
@@ -346,7 +277,7 @@ class PackedRouting:
         """
         layout = _require_layout(layout)
         samples, group_ids = list(samples), list(group_ids)
-        prompt_lens = _lengths(prompt_lens, "prompt_lens")
+        prompt_lens = counts(prompt_lens, "prompt_lens")
         if not len(samples) == len(prompt_lens) == len(group_ids):
             raise RowCountError(
                 f"{len(samples)} samples, {len(prompt_lens)} prompt lengths, {len(group_ids)} group ids"
@@ -375,7 +306,7 @@ class PackedRouting:
                 response_seg.append(-1)
                 starts.append(0)
                 continue
-            ids = _ids_tensor(rows, layout, f"sample {i}")
+            ids = validated_ids_tensor(rows, layout, f"sample {i}")
             split = min(max(plen - rows.start, 0), rows.num_rows)
             prompt_part, response_part = ids[:split], ids[split:]
             stats.prompt_rows += split
@@ -478,4 +409,4 @@ class PackedRouting:
                 f"packed routing is for {self.num_experts} experts on decoder layers {list(self.layer_indices)}; "
                 f"the model has {layout.num_experts} experts on {list(layout.moe_layers)}"
             )
-        return rows_to_trace(self.unpack(), _lengths(seq_lens, "seq_lens"), layout)
+        return rows_to_trace(self.unpack(), counts(seq_lens, "seq_lens"), layout)

@@ -1,4 +1,4 @@
-"""What every engine codec shares: the error classes, :class:`RoutedRows`, id validation and the layout helpers.
+"""What every engine codec shares: :class:`RoutedRows`, its validation against a layout, and the layout helpers.
 
 Validation (:func:`validate_ids`; :func:`validate_rows` for :class:`RoutedRows`) rejects, with an error naming what
 was expected and received: expert ids outside ``[0, num_experts)``, a repeated id within one (token, layer) row,
@@ -8,6 +8,10 @@ dtype too narrow for the model's expert ids (they would have wrapped) -- raises 
 ``decode_with_policy(..., on_invalid="skip_sample")`` can count and skip it. Every function that takes
 :class:`RoutedRows` and a layout validates them before narrowing them to a smaller dtype; an encoder never wraps.
 A wrong ``layout`` argument (not a :class:`RoutingLayout`) is a caller bug and raises ``TypeError``.
+
+The error classes live in :mod:`verl_stable.routing.errors` and the layout-free checks in
+:mod:`verl_stable.routing.checks` (shared with the trace and the transport); the error classes are importable from
+here and from :mod:`verl_stable.routing.codecs` as before.
 """
 
 from __future__ import annotations
@@ -18,31 +22,35 @@ from typing import Any
 import numpy as np
 import torch
 
-from verl_stable.routing.trace import RoutingLayout, require_int, storage_dtype
+from verl_stable.routing.checks import (
+    as_integer_array,
+    check_expert_ids,
+    check_wire_width,
+    count,
+    require_integer_np_dtype,
+)
+from verl_stable.routing.errors import (
+    DuplicateExpertError,
+    ExpertIdRangeError,
+    LayerMapError,
+    RoutingFormatError,
+    RowCountError,
+    ZeroRoutingError,
+)
+from verl_stable.routing.trace import RoutingLayout, storage_dtype
 
-
-class RoutingFormatError(ValueError):
-    """Routing data that cannot be trusted: replaying it would misroute tokens."""
-
-
-class LayerMapError(RoutingFormatError):
-    """Layer count / top-k differ from the model, or a layer declared dense carries routing."""
-
-
-class RowCountError(RoutingFormatError):
-    """The number of routed rows does not match the tokens they claim to cover."""
-
-
-class ExpertIdRangeError(RoutingFormatError):
-    """An expert id outside ``[0, num_experts)``, or a dtype too narrow to hold every id of the model."""
-
-
-class DuplicateExpertError(RoutingFormatError):
-    """The same expert id twice in one (token, layer) row: top-k selects distinct experts."""
-
-
-class ZeroRoutingError(RoutingFormatError):
-    """All-zero rows in a MoE layer: the engine returned no routing (a known failure mode)."""
+__all__ = [
+    "DuplicateExpertError",
+    "ExpertIdRangeError",
+    "LayerMapError",
+    "RoutedRows",
+    "RoutingFormatError",
+    "RowCountError",
+    "ZeroRoutingError",
+    "smallest_uint_dtype",
+    "validate_ids",
+    "validate_rows",
+]
 
 
 def smallest_uint_dtype(num_experts: int) -> np.dtype:
@@ -61,17 +69,12 @@ def _require_layout(layout: Any) -> RoutingLayout:
     return layout
 
 
-def _count(value: Any, what: str, minimum: int = 0) -> int:
-    """A token / row count or position: an integer >= ``minimum`` (floats are refused, never truncated)."""
-    return require_int(value, what, minimum=minimum, error=RowCountError)
-
-
 def _ids_structure(ids: Any, what: str) -> None:
     if not isinstance(ids, np.ndarray):
         raise RoutingFormatError(f"{what}: ids must be a numpy array, got {type(ids).__name__}")
     if ids.ndim != 3:
         raise LayerMapError(f"{what}: ids must be [rows, moe_layers, top_k], got shape {tuple(ids.shape)}")
-    _require_integer_dtype(ids.dtype, what)
+    require_integer_np_dtype(ids.dtype, what)
 
 
 @dataclass
@@ -88,7 +91,7 @@ class RoutedRows:
     ids: np.ndarray
 
     def __post_init__(self) -> None:
-        self.start = _count(self.start, "RoutedRows.start")
+        self.start = count(self.start, "RoutedRows.start")
         _ids_structure(self.ids, "RoutedRows")
 
     @property
@@ -102,53 +105,15 @@ class RoutedRows:
         return int(self.ids.shape[0])
 
 
-def _require_integer_dtype(dtype: np.dtype, what: str) -> None:
-    if dtype.kind not in "iu":
-        raise RoutingFormatError(f"{what}: expert ids must be integers, got dtype {dtype}")
-
-
-def _as_numpy(values: Any, what: str) -> np.ndarray:
-    """A payload as a numpy array of integers; anything else is a :class:`RoutingFormatError`."""
-    if isinstance(values, torch.Tensor):
-        if values.is_nested:
-            raise RoutingFormatError(f"{what}: expected a dense tensor, got a nested one (unbind it first)")
-        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
-            raise RoutingFormatError(f"{what}: expert ids must be integers, got dtype {values.dtype}")
-        return values.detach().cpu().numpy()
-    if isinstance(values, np.ndarray):
-        out = values
-    elif isinstance(values, (list, tuple)):
-        try:
-            out = np.asarray(values)
-        except (ValueError, TypeError, OverflowError) as exc:
-            raise RoutingFormatError(f"{what}: nested lists are not a rectangular integer array ({exc})") from exc
-    else:
-        raise RoutingFormatError(
-            f"{what}: unsupported type {type(values).__name__}; expected numpy, torch or nested lists"
-        )
-    _require_integer_dtype(out.dtype, what)
-    return out
-
-
 def _wire_ids(values: Any, layout: RoutingLayout, what: str) -> np.ndarray:
     """An engine payload as integer ids whose dtype can hold every expert id of the model (else they wrapped)."""
-    out = _as_numpy(values, what)
+    out = as_integer_array(values, what)
     _check_wire_width(out.dtype, layout, what)
     return out
 
 
 def _check_wire_width(dtype: np.dtype, layout: RoutingLayout, what: str) -> None:
-    top = int(np.iinfo(dtype).max)
-    if top < layout.num_experts - 1:
-        raise ExpertIdRangeError(
-            f"{what}: dtype {dtype} holds expert ids up to {top}, the model has {layout.num_experts} experts "
-            f"(ids up to {layout.num_experts - 1}): larger ids cannot be represented and would wrap"
-        )
-
-
-def _locate(mask: np.ndarray, layout: RoutingLayout, start: int) -> str:
-    row, ordinal = (int(x) for x in np.argwhere(mask)[0][:2])
-    return f"token position {start + row}, MoE layer {ordinal} (decoder layer {layout.moe_layers[ordinal]})"
+    check_wire_width(dtype, layout.num_experts, what)
 
 
 def validate_ids(ids: np.ndarray, layout: RoutingLayout, *, start: int = 0) -> None:
@@ -164,9 +129,9 @@ def validate_ids(ids: np.ndarray, layout: RoutingLayout, *, start: int = 0) -> N
         RoutingFormatError: not an integer array.
     """
     layout = _require_layout(layout)
-    start = _count(start, "start")
+    start = count(start, "start")
     if not isinstance(ids, np.ndarray):
-        ids = _as_numpy(ids, "routing")
+        ids = as_integer_array(ids, "routing")
     if ids.ndim != 3:
         raise LayerMapError(f"routing must be [rows, moe_layers, top_k], got shape {tuple(ids.shape)}")
     if ids.shape[1] != layout.num_moe_layers or ids.shape[2] != layout.top_k:
@@ -176,66 +141,7 @@ def validate_ids(ids: np.ndarray, layout: RoutingLayout, *, start: int = 0) -> N
         )
     if ids.dtype.kind not in "iu":
         raise RoutingFormatError(f"expert ids must be integers, got dtype {ids.dtype}")
-    if ids.size == 0:
-        return
-    alive = np.zeros(layout.num_moe_layers, dtype=bool)
-    # chunks bound the temporaries (masks, transposed copy) to a few MiB whatever the sequence length
-    for lo in range(0, ids.shape[0], _VALIDATE_CHUNK_ROWS):
-        chunk = ids[lo : lo + _VALIDATE_CHUNK_ROWS]
-        _validate_chunk(chunk, layout, start + lo)
-        alive |= chunk.any(axis=(0, 2))
-    if layout.top_k == 1 and ids.shape[0] >= 8 and not alive.all():
-        layer = int(np.argmin(alive))
-        raise ZeroRoutingError(
-            f"MoE layer {layer} (decoder layer {layout.moe_layers[layer]}) is expert 0 for all {ids.shape[0]} "
-            "rows: the engine returned no routing for it"
-        )
-
-
-_VALIDATE_CHUNK_ROWS = 4096
-
-
-def _repeated_rows(ids: np.ndarray) -> np.ndarray:
-    """``[rows, layers]`` bool: the row repeats an expert id. Pairwise compares of contiguous top-k columns for
-    small K (several times faster than sorting every row), a sort beyond."""
-    k = ids.shape[2]
-    if k > 16:
-        ordered = np.sort(ids, axis=2)
-        return (ordered[:, :, 1:] == ordered[:, :, :-1]).any(axis=2)
-    cols = np.ascontiguousarray(np.moveaxis(ids, 2, 0))
-    dup = np.zeros(ids.shape[:2], dtype=bool)
-    for i in range(k - 1):
-        for j in range(i + 1, k):
-            np.logical_or(dup, cols[i] == cols[j], out=dup)
-    return dup
-
-
-def _validate_chunk(ids: np.ndarray, layout: RoutingLayout, start: int) -> None:
-    signed = ids.dtype.kind == "i"
-    if int(ids.max()) >= layout.num_experts or (signed and int(ids.min()) < 0):
-        out_of_range = ids >= layout.num_experts
-        if signed:
-            out_of_range |= ids < 0
-        bad = ids[out_of_range]
-        raise ExpertIdRangeError(
-            f"expert ids outside [0, {layout.num_experts}) (e.g. {int(bad.flat[0])}) at "
-            f"{_locate(out_of_range.any(axis=2), layout, start)}"
-        )
-    if layout.top_k < 2:
-        return
-    dup = _repeated_rows(ids)
-    if not dup.any():
-        return
-    zero_rows = dup & ~ids.any(axis=2)  # with top_k >= 2 an all-zero row repeats expert 0
-    if zero_rows.any():
-        raise ZeroRoutingError(
-            f"all-zero (token, MoE layer) rows, first at {_locate(zero_rows, layout, start)}"
-            ": the engine returned no routing for them (known failure of some fused MoE kernels)"
-        )
-    row, ordinal = (int(x) for x in np.argwhere(dup)[0])
-    raise DuplicateExpertError(
-        f"a row repeats an expert id at {_locate(dup, layout, start)}: {ids[row, ordinal].tolist()}"
-    )
+    check_expert_ids(ids, layout.num_experts, layout.moe_layers, start)
 
 
 def validate_rows(rows: Any, layout: RoutingLayout, what: str = "routing") -> RoutedRows:
@@ -250,6 +156,16 @@ def validate_rows(rows: Any, layout: RoutingLayout, what: str = "routing") -> Ro
     except RoutingFormatError as exc:
         raise type(exc)(f"{what}: {exc}") from None
     return rows
+
+
+def validated_ids_tensor(rows: RoutedRows, layout: RoutingLayout, what: str) -> torch.Tensor:
+    """``rows.ids`` validated against ``layout`` (:func:`validate_rows`), then narrowed to the layout's storage dtype
+    as a writable CPU tensor: the one place where trainer-side rows are narrowed (transport, :func:`rows_to_trace`)."""
+    validate_rows(rows, layout, what)  # range and distinct ids, before the narrowing below
+    # engines may hand out read-only buffers: copy those rather than let torch alias them
+    return torch.from_numpy(
+        np.require(rows.ids.astype(smallest_uint_dtype(layout.num_experts), copy=False), requirements="CW")
+    )
 
 
 def _select_moe_layers(full: np.ndarray, layout: RoutingLayout, start: int, what: str) -> np.ndarray:

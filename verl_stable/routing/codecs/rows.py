@@ -12,17 +12,16 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from verl_stable.routing.checks import count, ids_checked
 from verl_stable.routing.codecs.common import (
     LayerMapError,
     RoutedRows,
     RoutingFormatError,
     RowCountError,
-    _count,
     _require_layout,
-    smallest_uint_dtype,
-    validate_rows,
+    validated_ids_tensor,
 )
-from verl_stable.routing.trace import RoutingLayout, RoutingTrace, _ids_checked, storage_dtype
+from verl_stable.routing.trace import RoutingLayout, RoutingTrace, storage_dtype
 
 
 def concat_partial_rollout(pieces: Sequence[RoutedRows]) -> RoutedRows:
@@ -63,7 +62,7 @@ def rows_to_trace(samples: Sequence[RoutedRows | None], seq_lens: Sequence[int],
     samples = list(samples)
     if isinstance(seq_lens, torch.Tensor):
         seq_lens = seq_lens.reshape(-1) if seq_lens.dim() else seq_lens
-    lens = [_count(n, f"sequence length {i}") for i, n in enumerate(seq_lens)]
+    lens = [count(n, f"sequence length {i}") for i, n in enumerate(seq_lens)]
     if len(samples) != len(lens):
         raise RowCountError(f"{len(samples)} samples but {len(lens)} sequence lengths")
     total = sum(lens)
@@ -75,18 +74,15 @@ def rows_to_trace(samples: Sequence[RoutedRows | None], seq_lens: Sequence[int],
             if not isinstance(rows, RoutedRows):
                 raise RoutingFormatError(f"sample {i}: expected RoutedRows or None, got {type(rows).__name__}")
             if rows.num_rows:
-                validate_rows(rows, layout, f"sample {i}")
+                values = validated_ids_tensor(rows, layout, f"sample {i}")
                 if rows.stop > n:
                     raise RowCountError(
                         f"sample {i}: routing covers positions [{rows.start}, {rows.stop}) of {n} tokens"
                     )
-                values = np.require(
-                    rows.ids.astype(smallest_uint_dtype(layout.num_experts), copy=False), requirements="CW"
-                )
-                ids[offset + rows.start : offset + rows.stop] = torch.from_numpy(values)
+                ids[offset + rows.start : offset + rows.stop] = values
                 valid[offset + rows.start : offset + rows.stop] = True
         offset += n
-    with _ids_checked():  # every sample passed validate_ids above, rows without data are not scanned anyway
+    with ids_checked():  # every sample passed validate_ids above, rows without data are not scanned anyway
         return RoutingTrace(ids, layout.num_experts, lens, valid, layout.moe_layers)
 
 

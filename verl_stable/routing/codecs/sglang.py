@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from verl_stable.routing.checks import count
 from verl_stable.routing.codecs.common import (
     LayerMapError,
     RoutedRows,
@@ -20,7 +21,6 @@ from verl_stable.routing.codecs.common import (
     RowCountError,
     _check_row_count,
     _check_wire_width,
-    _count,
     _finish,
     _full_rows,
     _require_layout,
@@ -57,13 +57,13 @@ def decode_sglang(
     layout = _require_layout(layout)
     if not isinstance(meta_info, Mapping):
         raise RoutingFormatError(f"SGLang: meta_info must be a mapping, got {type(meta_info).__name__}")
-    prompt_len = _count(prompt_len, "SGLang: prompt_len")
-    response_len = _count(response_len, "SGLang: response_len")
+    prompt_len = count(prompt_len, "SGLang: prompt_len")
+    response_len = count(response_len, "SGLang: response_len")
     if meta_info.get("routed_experts") is None:
         raise RoutingFormatError("SGLang: meta_info has no routed_experts (request return_routed_experts=True)")
     payload = meta_info["routed_experts"]
     start = meta_info.get("routed_experts_start_len")
-    start = 0 if start is None else _count(start, "SGLang: routed_experts_start_len")
+    start = 0 if start is None else count(start, "SGLang: routed_experts_start_len")
     if not 0 <= start <= prompt_len:
         raise RowCountError(f"SGLang: routed_experts_start_len={start} outside [0, prompt_len={prompt_len}]")
     expected = prompt_len + response_len - 1 - start

@@ -13,13 +13,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from verl_stable.routing.checks import count
 from verl_stable.routing.codecs.common import (
     LayerMapError,
     RoutedRows,
     RoutingFormatError,
     RowCountError,
     _check_wire_width,
-    _count,
     _empty_rows,
     _finish,
     _full_rows,
@@ -40,7 +40,7 @@ def encode_verl_sample(rows: RoutedRows, layout: RoutingLayout, total_length: in
     do not fit int16 and raise :class:`ExpertIdRangeError`.
     """
     layout = _require_layout(layout)
-    total_length = _count(total_length, "verl: total_length")
+    total_length = count(total_length, "verl: total_length")
     _check_wire_width(_VERL_DTYPE, layout, "verl routed_experts")
     validate_rows(rows, layout, "encode_verl_sample")
     if rows.num_rows and rows.stop > total_length:
@@ -68,7 +68,7 @@ def decode_verl_sample(routed_experts: Any, layout: RoutingLayout, *, num_tokens
     if full.ndim != 3:
         raise LayerMapError(f"verl: expected [rows, num_hidden_layers, top_k], got shape {tuple(full.shape)}")
     if num_tokens is not None:
-        num_tokens = _count(num_tokens, "verl: num_tokens")
+        num_tokens = count(num_tokens, "verl: num_tokens")
         if num_tokens > full.shape[0]:
             raise RowCountError(f"verl: {full.shape[0]} rows for a {num_tokens}-token sample")
         if full[num_tokens:].any():
@@ -99,7 +99,7 @@ def encode_verl_batch(
     """
     layout = _require_layout(layout)
     _check_wire_width(_VERL_DTYPE, layout, "verl routed_experts")
-    samples, lengths = list(samples), [_count(n, f"verl: length of sample {i}") for i, n in enumerate(lengths)]
+    samples, lengths = list(samples), [count(n, f"verl: length of sample {i}") for i, n in enumerate(lengths)]
     if len(samples) != len(lengths):
         raise RowCountError(f"{len(samples)} samples but {len(lengths)} lengths")
     per_sample = [encode_verl_sample(s, layout, n) for s, n in zip(samples, lengths, strict=True)]
@@ -107,13 +107,11 @@ def encode_verl_batch(
         if not per_sample:
             raise RowCountError("an empty batch has no nested (jagged) form; pass nested=False")
         return torch.nested.as_nested_tensor(per_sample, layout=torch.jagged)
-    pads = (
-        [0] * len(samples) if left_pad is None else [_count(p, f"verl: left pad {i}") for i, p in enumerate(left_pad)]
-    )
+    pads = [0] * len(samples) if left_pad is None else [count(p, f"verl: left pad {i}") for i, p in enumerate(left_pad)]
     if len(pads) != len(samples):
         raise RowCountError(f"{len(samples)} samples but {len(pads)} left pads")
     ends = [p + n for p, n in zip(pads, lengths, strict=True)]
-    width = (max(ends) if ends else 0) if width is None else _count(width, "verl: width")
+    width = (max(ends) if ends else 0) if width is None else count(width, "verl: width")
     out = torch.zeros(len(samples), width, layout.num_hidden_layers, layout.top_k, dtype=torch.int16)
     for i, (tensor, pad) in enumerate(zip(per_sample, pads, strict=True)):
         if pad + tensor.shape[0] > width:

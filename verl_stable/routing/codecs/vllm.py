@@ -15,15 +15,14 @@ from typing import Any
 
 import numpy as np
 
+from verl_stable.routing.checks import count, require_integer_np_dtype
 from verl_stable.routing.codecs.common import (
     RoutedRows,
     RoutingFormatError,
     RowCountError,
     _check_row_count,
-    _count,
     _finish,
     _full_rows,
-    _require_integer_dtype,
     _require_layout,
     _select_moe_layers,
     _wire_ids,
@@ -54,9 +53,9 @@ def decode_vllm(
         prompt_start: ``SamplingParams.routed_experts_prompt_start`` of the request.
     """
     layout = _require_layout(layout)
-    prompt_len = _count(prompt_len, "vLLM: prompt_len")
-    response_len = _count(response_len, "vLLM: response_len")
-    prompt_start = _count(prompt_start, "vLLM: routed_experts_prompt_start")
+    prompt_len = count(prompt_len, "vLLM: prompt_len")
+    response_len = count(response_len, "vLLM: response_len")
+    prompt_start = count(prompt_start, "vLLM: routed_experts_prompt_start")
     if not 0 <= prompt_start <= prompt_len:
         raise RowCountError(f"vLLM: routed_experts_prompt_start={prompt_start} outside [0, prompt_len={prompt_len}]")
     if response_len < 1:
@@ -105,7 +104,7 @@ def _parse_npy(raw: bytes, what: str) -> np.ndarray:
         dtype = np.dtype(descr)
     except (TypeError, ValueError) as exc:
         raise RoutingFormatError(f"{what}: .npy dtype {descr!r} is not a numpy dtype") from exc
-    _require_integer_dtype(dtype, what)
+    require_integer_np_dtype(dtype, what)
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
         raise RoutingFormatError(f"{what}: .npy shape {shape!r:.200} is not a tuple of sizes")
     count = 1
