@@ -26,6 +26,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from verl_stable.cpu import vllm_rollout
 from verl_stable.cpu.polling import ENV_POLL_INTERVAL
 from verl_stable.lab import tasks
 from verl_stable.lab.assets import Assets, AssetSpec, asset_paths, ensure_assets
@@ -51,6 +52,46 @@ RUNTIME_OVERRIDES: tuple[str, ...] = (
 )
 
 
+ENGINES = ("hf", "vllm")
+# vLLM's CPU build serves these rollout precisions (verl's ``rollout.dtype``); fp8/fp16 weights are the hf backend's.
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def asset_spec(engine: str = "hf", task: str = "copy") -> AssetSpec:
+    """The tiny assets a CPU run of ``engine`` uses: vLLM's CPU attention needs a head size of 32 (2 heads of 64)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if engine == "vllm":
+        return AssetSpec(task=task, num_attention_heads=2, num_key_value_heads=1)
+    return AssetSpec(task=task)
+
+
+def engine_overrides(engine: str, precision: str | None, sync_weights: bool) -> list[str]:
+    """The rollout-engine part of :func:`cpu_overrides` (backend name, precision, weight sync).
+
+    Raises:
+        ValueError: an unknown engine, or a precision / ``sync_weights=False`` that the engine does not offer.
+    """
+    if engine == "hf":
+        ov = [
+            "actor_rollout_ref.rollout.name=hf",
+            f"+actor_rollout_ref.rollout.engine_kwargs.hf.sync_weights={sync_weights}",
+        ]
+        if precision is not None:
+            ov.append(f"+actor_rollout_ref.rollout.engine_kwargs.hf.precision={precision}")
+        return ov
+    if engine != "vllm":
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if not sync_weights:
+        raise ValueError("engine vllm always syncs weights (verl starts vLLM on dummy weights); --no-sync is hf-only")
+    if precision is not None and precision not in VLLM_DTYPES:
+        raise ValueError(f"engine vllm serves precision {sorted(VLLM_DTYPES)} on CPU, got {precision!r} (fp8/fp16: hf)")
+    ov = list(vllm_rollout.RUNTIME_OVERRIDES)
+    if precision is not None:
+        ov.append(f"actor_rollout_ref.rollout.dtype={VLLM_DTYPES[precision]}")
+    return ov
+
+
 def cpu_overrides(
     assets: Assets,
     *,
@@ -65,6 +106,7 @@ def cpu_overrides(
     routing_capture: bool = False,
     kl_loss_coef: float | None = None,
     metrics_logger: Sequence[str] = ("console", "file"),
+    engine: str = "hf",
 ) -> list[str]:
     """Hydra overrides for a GRPO run of the tiny assets on the CPU runtime.
 
@@ -73,15 +115,19 @@ def cpu_overrides(
         steps: ``trainer.total_training_steps``.
         batch_size: prompts per step (also the PPO mini-batch: one update per step).
         group_size: samples per prompt (GRPO group, ``rollout.n``).
-        precision: rollout precision for the ``hf`` backend (fp32 | bf16 | fp16 | fp8); None keeps ``rollout.dtype``.
-        sync_weights: False leaves the rollout at the initial weights (deliberate drift, for checks).
+        precision: rollout precision: ``hf`` fp32 | bf16 | fp16 | fp8 (weights), ``vllm`` fp32 | bf16 (``rollout.dtype``);
+            None keeps ``rollout.dtype``.
+        sync_weights: False leaves the ``hf`` rollout at the initial weights (deliberate drift, for checks).
         rollout_is: verl's rollout correction ``rollout_is`` (token | sequence | None).
         routing_capture: ``rollout.enable_rollout_routing_replay`` (routing export from the hf backend).
         kl_loss_coef: with a value, ``actor.use_kl_loss=True`` at that coefficient (``low_var_kl``): verl builds a
             forward-only reference engine and logs ``actor/kl_loss``. None: no KL loss, no reference model.
+        engine: rollout engine, ``hf`` (the project's backend) or ``vllm`` (verl's own vLLM rollout on vLLM's CPU
+            build; assets from :func:`asset_spec`).
     """
     reward_path = tasks.__file__
-    ov = list(RUNTIME_OVERRIDES)
+    ov = [o for o in RUNTIME_OVERRIDES if not o.startswith("actor_rollout_ref.rollout.name=")]
+    ov += engine_overrides(engine, precision, sync_weights)
     ov += [
         f"data.train_files={assets.train_file}",
         f"data.val_files={assets.val_file}",
@@ -99,7 +145,6 @@ def cpu_overrides(
         "actor_rollout_ref.actor.optim.lr=1e-3",
         "actor_rollout_ref.rollout.calculate_log_probs=True",
         f"actor_rollout_ref.rollout.enable_rollout_routing_replay={routing_capture}",
-        f"+actor_rollout_ref.rollout.engine_kwargs.hf.sync_weights={sync_weights}",
         f"reward.custom_reward_function.path={reward_path}",
         "reward.custom_reward_function.name=compute_score",
         f"trainer.total_training_steps={steps}",
@@ -110,8 +155,6 @@ def cpu_overrides(
         "trainer.experiment_name=cpu_run",
         "trainer.logger=[" + ",".join(f'"{x}"' for x in metrics_logger) + "]",
     ]
-    if precision is not None:
-        ov.append(f"+actor_rollout_ref.rollout.engine_kwargs.hf.precision={precision}")
     if kl_loss_coef is not None:
         ov += [
             f"actor_rollout_ref.actor.kl_loss_coef={kl_loss_coef}",
@@ -272,8 +315,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workdir", default="./verl_stable_cpu_run", help="assets, checkpoints, logs, metrics")
     parser.add_argument("--task", default="copy", choices=tasks.TASKS)
     parser.add_argument("--steps", type=_positive_int, default=3)
-    parser.add_argument("--precision", default=None, choices=PRECISIONS, help="hf rollout precision (weights)")
-    parser.add_argument("--no-sync", action="store_true", help="skip weight sync to the rollout (drift check)")
+    parser.add_argument("--engine", default="hf", choices=ENGINES, help="rollout engine (vllm: vLLM's CPU build)")
+    parser.add_argument("--precision", default=None, choices=PRECISIONS, help="rollout precision (vllm: fp32, bf16)")
+    parser.add_argument("--no-sync", action="store_true", help="skip weight sync to the hf rollout (drift check)")
     parser.add_argument(
         "--poll-interval", type=_positive_seconds, default=0.1, help="replay-buffer poll seconds (verl: 2.0)"
     )
@@ -285,7 +329,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     assets = asset_paths(workdir / "assets")  # where they will be; nothing is built before the checks pass
-    ov = cpu_overrides(assets, steps=args.steps, precision=args.precision, sync_weights=not args.no_sync)
+    try:
+        ov = cpu_overrides(
+            assets, steps=args.steps, precision=args.precision, sync_weights=not args.no_sync, engine=args.engine
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
     ov += [f"trainer.default_local_dir={workdir / 'checkpoints'}", *args.overrides]
     try:
         recipes.preflight(ov)
@@ -294,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_overrides:
         print("\n".join(ov))
         return 0
-    ensure_assets(workdir / "assets", AssetSpec(task=args.task))
+    ensure_assets(workdir / "assets", asset_spec(args.engine, args.task))
     proc = run_main_ppo(ov, workdir, poll_interval_s=args.poll_interval)
     print(f"main_ppo exited {proc.returncode}; log: {workdir / 'main_ppo.log'}; metrics: {workdir / 'metrics.jsonl'}")
     return proc.returncode

@@ -28,6 +28,9 @@ bucket would overwrite it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
 from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
@@ -50,6 +53,38 @@ def reset_cpu_moe_kernels(model: torch.nn.Module) -> int:
     return dropped
 
 
+@contextlib.contextmanager
+def layerwise_reload(models: list[tuple[torch.nn.Module, object]], *, reset_kernels: bool = True) -> Iterator[None]:
+    """Within the block, ``model.load_weights`` buffers each layer's weights and processes the layer once complete.
+
+    Args:
+        models: ``(model, vllm_model_config)`` pairs served by this worker.
+        reset_kernels: rebuild the CPU MoE kernels (see the module docstring); False only to show the bug.
+    """
+    for model, _ in models:
+        if reset_kernels:
+            reset_cpu_moe_kernels(model)
+        initialize_layerwise_reload(model)
+    try:
+        yield
+    finally:  # also after a failed transfer: layers that got no weights get their previous tensors back
+        for model, model_config in models:
+            finalize_layerwise_reload(model, model_config)
+
+
+def reload_layerwise(
+    models: list[tuple[torch.nn.Module, object]],
+    buckets: Iterator[list[tuple[str, torch.Tensor]]],
+    *,
+    reset_kernels: bool = True,
+) -> None:
+    """Load ``buckets`` of ``(name, tensor)`` (checkpoint names, as verl sends them) into running vLLM ``models``."""
+    with layerwise_reload(models, reset_kernels=reset_kernels):
+        for bucket in buckets:
+            for model, _ in models:
+                model.load_weights([(name, tensor.clone()) for name, tensor in bucket])
+
+
 class CpuWeightReloadExtension(vLLMColocateWorkerExtension):
     """verl's colocate worker extension with a weight update that vLLM's CPU build accepts."""
 
@@ -67,16 +102,11 @@ class CpuWeightReloadExtension(vLLMColocateWorkerExtension):
             raise NotImplementedError("quantized (QAT) weight sync is not supported on vLLM's CPU build by verl-stable")
         if self.device is None:
             self.device = torch.device("cpu")
-        models = list(self._iter_all_models_with_config())
-        for model, _ in models:
-            reset_cpu_moe_kernels(model)
-            initialize_layerwise_reload(model)
 
         def on_bucket_received(weights: list[tuple[str, torch.Tensor]], is_last: bool) -> None:
             owned = [(name, tensor.clone()) for name, tensor in weights]
             self._update_weights(owned, peft_config=None, base_sync_done=base_sync_done)
 
         receiver = BucketedWeightReceiver(zmq_handle=self._get_zmq_handle(), device=self.device, use_shm=use_shm)
-        receiver.receive_weights(on_bucket_received=on_bucket_received)
-        for model, model_config in models:
-            finalize_layerwise_reload(model, model_config)
+        with layerwise_reload(list(self._iter_all_models_with_config())):
+            receiver.receive_weights(on_bucket_received=on_bucket_received)
