@@ -1,0 +1,98 @@
+"""The actor side: a (micro-)batch's compact routing fields back to a trace or to verl's ``routed_experts``.
+
+What the agent-loop workers stored per sample (:data:`~verl_stable.routing.transport.IDS_FIELD` /
+:data:`~verl_stable.routing.transport.SPAN_FIELD`, plus a reference to its group's shared prompt rows, see
+:mod:`.sharing`) is rebuilt here, on the actor, after verl's balancing, shuffling and micro-batching:
+
+* :func:`routing_trace_from_batch`: the token-aligned :class:`~verl_stable.routing.trace.RoutingTrace`;
+* :func:`expand_compact_routing`: verl's own jagged int16 ``routed_experts``, for a replay engine written against
+  verl's layout (the FSDP engine, verl's Megatron/VeOmni replay). The expansion lives only on the actor,
+  transiently; transport stays compact.
+
+Both re-attach the shared prompt rows first (one TransferQueue read per batch) and give verl's synthetic padding
+samples no routing. No verl import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from verl_stable.integration.rollout.sharing import attach_shared_prompt_rows
+from verl_stable.routing.codecs import RoutedRows, RowCountError, encode_verl_batch, rows_to_trace
+from verl_stable.routing.trace import RoutingLayout, RoutingTrace
+from verl_stable.routing.transport import IDS_FIELD, SPAN_FIELD, rows_from_fields
+
+__all__ = ["expand_compact_routing", "routing_trace_from_batch"]
+
+
+def _sequence_lengths(data: Any) -> list[int]:
+    if "input_ids" in data.keys() and data["input_ids"].is_nested:
+        return data["input_ids"].offsets().diff().tolist()
+    if "prompts" in data.keys() and data["prompts"].is_nested:
+        return (data["prompts"].offsets().diff() + data["responses"].offsets().diff()).tolist()
+    raise RowCountError("cannot tell sequence lengths: expected jagged input_ids or prompts/responses")
+
+
+def _batch_rows(data: Any, lengths: list[int]) -> list[RoutedRows | None]:
+    """Per-sample rows of a batch; verl's synthetic padding samples get none.
+
+    verl's V1 trainer pads a batch to a divisible size with copies of a real sample's fields on a synthetic
+    ``SYNTHETIC_PADDING_SEQ_LEN`` sequence with an all-zero ``response_mask`` (``padding_utils``), so their copied
+    routing overruns their tokens. Such a sample trains nothing and gets no routing; an overrun on a sample with
+    generated tokens is an error.
+    """
+    rows: list[RoutedRows | None] = list(rows_from_fields(data[IDS_FIELD], data[SPAN_FIELD]))
+    masks = None
+    for i, (sample, length) in enumerate(zip(rows, lengths, strict=True)):
+        if sample is None or sample.stop <= length:
+            continue
+        if masks is None:
+            if "response_mask" not in data.keys():
+                raise RowCountError(f"sample {i}: routing covers positions up to {sample.stop} of {length} tokens")
+            mask = data["response_mask"]
+            masks = list(mask.unbind()) if mask.is_nested else list(mask.unbind(0))
+        if masks[i].any():
+            raise RowCountError(f"sample {i}: routing covers positions up to {sample.stop} of its {length} tokens")
+        rows[i] = None
+    return rows
+
+
+def _no_rows(layout: RoutingLayout) -> RoutedRows:
+    return RoutedRows(0, np.zeros((0, layout.num_moe_layers, layout.top_k), dtype=np.uint8))
+
+
+def routing_trace_from_batch(data: Any, layout: RoutingLayout, kv_batch_get: Any = None) -> RoutingTrace | None:
+    """Actor side: the token-aligned RoutingTrace of a (micro-)batch carrying the compact fields, else ``None``.
+
+    Sequence ``i`` has ``prompt_len_i + response_len_i`` rows (``prompts`` / ``responses`` as stored per sample,
+    or ``input_ids``), in the order of the sample's tokens, valid where the engine recorded routing. Shared prompt
+    rows are re-attached first (:func:`~.sharing.attach_shared_prompt_rows`, reading with ``kv_batch_get``, default
+    TransferQueue's).
+    """
+    if IDS_FIELD not in data.keys():
+        return None
+    attach_shared_prompt_rows(data, kv_batch_get, layout)
+    lengths = _sequence_lengths(data)
+    return rows_to_trace(_batch_rows(data, lengths), lengths, layout)
+
+
+def expand_compact_routing(data: Any, layout: RoutingLayout, kv_batch_get: Any = None) -> bool:
+    """Actor side, per (mini-/micro-)batch: add verl's ``routed_experts`` from the compact fields, in place.
+
+    Produces verl's V1 form, jagged int16 ``[B, (prompt_len_i + response_len_i), num_hidden_layers, top_k]`` aligned
+    with the jagged ``input_ids``, zero rows where nothing was recorded, so a replay engine written for verl's layout
+    consumes it unchanged. Shared prompt rows are re-attached first (:func:`~.sharing.attach_shared_prompt_rows`:
+    one ``kv_batch_get`` of the batch's groups, default TransferQueue's). Returns True when it added the field.
+    """
+    if IDS_FIELD not in data.keys() or "routed_experts" in data.keys():
+        return False
+    input_ids = data["input_ids"]
+    if not input_ids.is_nested:
+        raise RowCountError("expanding compact routing needs jagged input_ids (verl's V1 / TransferQueue batches)")
+    attach_shared_prompt_rows(data, kv_batch_get, layout)
+    lengths = input_ids.offsets().diff().tolist()
+    rows = [r if r is not None else _no_rows(layout) for r in _batch_rows(data, lengths)]
+    data["routed_experts"] = encode_verl_batch(rows, layout, lengths, nested=True).to(input_ids.device)
+    return True

@@ -1,0 +1,229 @@
+"""verl's agent-loop classes with compact routing: the output, the TransferQueue worker and its manager.
+
+Select the manager by its dotted path,
+``+actor_rollout_ref.rollout.agent.agent_loop_manager_class=verl_stable.integration.rollout.CompactRoutingAgentLoopManagerTQ``
+(:data:`~.config.MANAGER_FQN`); it starts :class:`CompactRoutingAgentLoopWorkerTQ` workers, which before each sample
+is stored validate and compact its routing (:mod:`.boundary`), share its group's prompt rows (:mod:`.sharing`) and
+put the compact fields instead of verl's int16 ``routed_experts`` (:class:`CompactRoutingAgentLoopOutput`).
+
+This module imports verl's agent loop, TransferQueue's client and Ray at import time (close to a second on top of
+``import verl``), so the package imports it only when one of its names is first used; the plugin's import of
+:mod:`verl_stable.integration.rollout`, which runs in every verl process, does not reach it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import ray
+from pydantic import ConfigDict
+from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
+from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
+
+from verl_stable.integration.rollout.boundary import (
+    BOUNDARY_FIELD,
+    boundary_counters,
+    compact_token_routing,
+    merge_stats,
+)
+from verl_stable.integration.rollout.config import DEFAULT_OPTIONS, RolloutRoutingOptions
+from verl_stable.integration.rollout.sharing import (
+    PROMPT_PARTITION,
+    PROMPT_REF_FIELD,
+    PromptRowSharing,
+    SharedPromptRowsError,
+    async_clear_stale_prompt_rows,
+    key_of_ref,
+    shared_sample_fields,
+)
+from verl_stable.routing.codecs import BoundaryStats
+from verl_stable.routing.families import layout_from_config
+from verl_stable.routing.trace import RoutingLayout
+from verl_stable.routing.transport import IDS_FIELD, sample_fields
+
+__all__ = [
+    "CompactRoutingAgentLoopManagerTQ",
+    "CompactRoutingAgentLoopOutput",
+    "CompactRoutingAgentLoopWorkerTQ",
+    "compact_agent_loop_output",
+]
+
+logger = logging.getLogger("verl_stable.routing")
+
+
+class CompactRoutingAgentLoopOutput(AgentLoopOutput):
+    """AgentLoopOutput carrying the compact routing fields (see :func:`compact_agent_loop_output`)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    compact_routing: Any = None
+    shared_prompt: Any = None
+
+    def as_dict(self) -> dict[str, Any]:
+        fields = self.compact_routing
+        out = super().as_dict()
+        out.pop("compact_routing", None)
+        out.pop("shared_prompt", None)
+        out.pop("routed_experts", None)
+        if fields is not None:
+            out.update(fields)
+        return out
+
+
+def compact_agent_loop_output(
+    output: Any,
+    layout: RoutingLayout,
+    options: RolloutRoutingOptions = DEFAULT_OPTIONS,
+    stats: BoundaryStats | None = None,
+    sharing: PromptRowSharing | None = None,
+    uid: str | None = None,
+    partition: str = "train",
+) -> Any:
+    """An ``AgentLoopOutput`` whose ``as_dict`` emits the compact fields instead of verl's int16 ``routed_experts``.
+
+    Besides :data:`IDS_FIELD` / :data:`SPAN_FIELD` it emits :data:`BOUNDARY_FIELD` (this sample's counters, read by
+    :func:`~.boundary.fetch_transport_metrics` on the trainer); ``stats`` accumulates the worker's running totals.
+
+    With ``sharing`` (the worker's :class:`~.sharing.PromptRowSharing`) the sample also emits
+    :data:`PROMPT_REF_FIELD`; with the group's ``uid`` too its prompt rows may be shared: its :data:`IDS_FIELD` then
+    holds only the rows after them (:data:`SPAN_FIELD` still covers the whole span), and ``output.shared_prompt`` is
+    the side entry to put before the sample when this sample is the group's first (``None`` otherwise).
+    ``uid=None``: never shared (a group of one), the field is zero.
+    """
+    sample_stats = BoundaryStats()
+    try:
+        rows = compact_token_routing(
+            output.routed_experts,
+            prompt_len=len(output.prompt_ids),
+            response_mask=output.response_mask,
+            layout=layout,
+            options=options,
+            stats=sample_stats,
+        )
+    finally:
+        if stats is not None:
+            merge_stats(stats, sample_stats)
+    seq_len = len(output.prompt_ids) + len(output.response_ids)
+    output.extra_fields["stable_routing_missing_positions"] = seq_len - (0 if rows is None else rows.num_rows)
+    output.extra_fields["stable_routing_skipped"] = int(output.routed_experts is not None and rows is None)
+    values = {name: getattr(output, name) for name in type(output).model_fields}
+    values["routed_experts"] = None
+    values.pop("compact_routing", None)
+    values.pop("shared_prompt", None)
+    compact = CompactRoutingAgentLoopOutput.model_construct(
+        _fields_set=set(output.model_fields_set) - {"routed_experts"}, **values, compact_routing=None
+    )
+    if sharing is None:
+        fields, share = sample_fields(rows, layout), None
+    else:
+        fields, share = shared_sample_fields(
+            rows, layout, sharing, prompt_len=len(output.prompt_ids), uid=uid, partition=partition
+        )
+    fields[BOUNDARY_FIELD] = boundary_counters(
+        fields, seq_len=seq_len, layout=layout, sample_stats=sample_stats, share=share
+    )
+    compact.compact_routing = fields
+    compact.shared_prompt = None if share is None else share.side
+    return compact
+
+
+class CompactRoutingAgentLoopWorkerTQ(AgentLoopWorkerTQ.__ray_actor_class__):
+    """AgentLoopWorkerTQ that validates and compacts routing before it enters TransferQueue."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.stable_routing_enabled = bool(self.rollout_config.enable_rollout_routing_replay)
+        self.stable_routing_options = RolloutRoutingOptions.from_config(self.config)
+        self.stable_routing_stats = BoundaryStats()
+        self.stable_routing_layout = (
+            layout_from_config(self.model_config.hf_config) if self.stable_routing_enabled else None
+        )
+        self.stable_prompt_sharing = PromptRowSharing()
+        # uid -> side-entry key -> its put; in-flight groups of more than one sample only
+        self.stable_prompt_puts: dict[str, dict[str, asyncio.Future]] = {}
+
+    def _stable_compact(self, output: Any, uid: str, partition: str) -> Any:
+        if not self.stable_routing_options.share_prompt_rows:
+            return compact_agent_loop_output(
+                output, self.stable_routing_layout, self.stable_routing_options, self.stable_routing_stats
+            )
+        return compact_agent_loop_output(
+            output,
+            self.stable_routing_layout,
+            self.stable_routing_options,
+            self.stable_routing_stats,
+            sharing=self.stable_prompt_sharing,
+            uid=uid if uid in self.stable_prompt_puts else None,  # a group of one shares nothing
+            partition=partition,
+        )
+
+    async def _stable_put_shared(self, outputs: list[Any], uid: str) -> None:
+        """Put this group's side entry (its first sample) or wait for the sibling's put, before the sample."""
+        # looked up at call time, not import time: tests (and any stand-in store) replace TransferQueue's functions
+        import transfer_queue as tq
+        from tensordict import TensorDict
+
+        puts = self.stable_prompt_puts.get(uid, {})
+        for output in outputs:
+            side = output.shared_prompt
+            if side is not None and side.key not in puts:
+                fields = TensorDict({IDS_FIELD: side.ids.unsqueeze(0)}, batch_size=[1])
+                puts[side.key] = asyncio.ensure_future(
+                    tq.async_kv_put(key=side.key, partition_id=PROMPT_PARTITION, fields=fields, tag=side.tag)
+                )
+        for output in outputs:
+            ref = output.compact_routing.get(PROMPT_REF_FIELD)
+            if ref is not None and int(ref[0]) > 0:
+                key = key_of_ref(ref)
+                if key not in puts:
+                    raise SharedPromptRowsError(f"group {uid}: a sample refers to prompt rows {key} never put")
+                await asyncio.shield(puts[key])
+
+    async def generate_sequences(self, batch: Any) -> None:
+        if self.stable_routing_enabled and self.stable_routing_options.share_prompt_rows:
+            # a new dispatch follows verl's clearing of finished groups: drop their shared prompt rows (any
+            # trainer class; the stable_* trainers also do it at each step start)
+            try:
+                await async_clear_stale_prompt_rows()
+            except Exception as exc:  # housekeeping must not fail a rollout; the next dispatch retries
+                logger.warning("verl-stable: clearing shared prompt rows failed: %s", exc)
+        return await super().generate_sequences(batch)
+
+    async def _agent_loop_postprocess(self, output: Any, validate: bool, **kwargs: Any) -> Any:
+        if self.stable_routing_enabled:
+            uid, partition = str(kwargs.get("uid")), "val" if validate else "train"
+            outputs = output if isinstance(output, list) else [output]
+            outputs = [self._stable_compact(o, uid, partition) for o in outputs]
+            if self.stable_routing_options.share_prompt_rows:
+                await self._stable_put_shared(outputs, uid)
+            output = outputs if isinstance(output, list) else outputs[0]
+        return await super()._agent_loop_postprocess(output, validate, **kwargs)
+
+    async def _run_prompt(self, prompt: dict, sampling_params: dict, trajectory: dict, **kwargs: Any) -> None:
+        uid = str(prompt.get("uid"))
+        rollout = self.config.actor_rollout_ref.rollout
+        n = prompt.get("__rollout_n__", rollout.val_kwargs.n if trajectory["validate"] else rollout.n)
+        if self.stable_routing_enabled and int(n) > 1:
+            self.stable_prompt_puts[uid] = {}
+        try:
+            return await super()._run_prompt(prompt, sampling_params, trajectory, **kwargs)
+        finally:
+            # every session of the group has settled (verl's contract): forget it
+            self.stable_prompt_sharing.forget(uid)
+            self.stable_prompt_puts.pop(uid, None)
+
+    def stable_routing_metrics(self) -> dict[str, float]:
+        """Boundary counters of this worker (``stable/routing/*``)."""
+        return self.stable_routing_stats.as_metrics()
+
+
+_REMOTE_WORKER = ray.remote(CompactRoutingAgentLoopWorkerTQ)
+
+
+class CompactRoutingAgentLoopManagerTQ(AgentLoopManagerTQ):
+    """AgentLoopManagerTQ whose workers carry compact, validated routing (select it by FQN, see module doc)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.agent_loop_workers_class = _REMOTE_WORKER
