@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from verl_stable import cli
-from verl_stable.cpu import launch
+from verl_stable.cpu import launch, trainer_process
 
 
 def _fail(*args, **kwargs):
@@ -26,7 +26,7 @@ def _fail(*args, **kwargs):
 def no_work(monkeypatch):
     monkeypatch.setattr(launch, "ensure_assets", _fail)
     monkeypatch.setattr(launch, "run_main_ppo", _fail)
-    monkeypatch.setattr(launch.subprocess, "run", _fail)
+    monkeypatch.setattr(trainer_process.subprocess, "run", _fail)
 
 
 def _refused(argv: list[str], capsys) -> str:
@@ -102,7 +102,7 @@ def test_each_run_gets_its_own_ray_tmpdir(tmp_path, monkeypatch):
         seen.append(env)
         return subprocess.CompletedProcess(cmd, 0)
 
-    monkeypatch.setattr(launch.subprocess, "run", fake_run)
+    monkeypatch.setattr(trainer_process.subprocess, "run", fake_run)
     monkeypatch.setenv("RAY_TMPDIR", "/tmp")  # a shared value inherited from the shell does not leak into runs
     a, b = Path("/tmp") / f"vs_{os.getpid()}_a", tmp_path / "b"
     try:
@@ -123,7 +123,7 @@ def test_each_run_gets_its_own_ray_tmpdir(tmp_path, monkeypatch):
 def test_a_deep_workdir_gets_a_short_private_ray_tmpdir(tmp_path):
     deep = tmp_path / ("d" * 60) / "run"
     short = launch.ray_tmpdir(deep)
-    assert len(str(short).encode()) + len(launch._RAY_SOCKET_TAIL) <= launch._SOCKET_PATH_MAX
+    assert len(str(short).encode()) + len(trainer_process._RAY_SOCKET_TAIL) <= trainer_process._SOCKET_PATH_MAX
     assert (deep / launch.RAY_TMPDIR_NAME).resolve() == short.resolve()  # found from the workdir
     assert short.stat().st_mode & 0o077 == 0 and short.stat().st_uid == os.getuid()
     assert launch.ray_tmpdir(deep) == short  # stable for one workdir
@@ -137,7 +137,7 @@ def test_a_short_ray_tmpdir_of_another_user_is_refused(tmp_path, monkeypatch):
     deep = tmp_path / ("d" * 60)
     short = launch.ray_tmpdir(deep)
     real_uid = os.getuid()
-    monkeypatch.setattr(launch.os, "getuid", lambda: real_uid + 1)
+    monkeypatch.setattr(trainer_process.os, "getuid", lambda: real_uid + 1)
     name = f"vs-ray-{real_uid + 1}-" + short.name.rsplit("-", 1)[1]
     (short.parent / name).mkdir(mode=0o700)  # "pre-created" by someone else: owned by real_uid, not by real_uid + 1
     try:

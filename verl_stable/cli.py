@@ -167,7 +167,7 @@ def _check_model(model: str, out: Callable[[str], None]) -> list[str]:
 # Subcommands that own their argument parsing: (module, help).
 _DELEGATED = {
     "run": ("verl_stable.cpu.launch", "run verl's own trainer (main_ppo) on CPU with tiny local assets"),
-    "recipe": ("verl_stable.recipes", "list, show, check or run the verl-stable recipes"),
+    "recipe": ("verl_stable.recipe_cli", "list, show, check or run the verl-stable recipes"),
     "lab": ("verl_stable.lab.cli", "the CPU lab: the paper's comparison with verl's own trainer, and a report"),
 }
 

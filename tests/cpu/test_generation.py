@@ -128,7 +128,7 @@ def test_batch_equals_one_request_at_a_time(tiny_moe):
 
 
 def test_batch_routing_rows_select_each_requests_own_rows(tiny_moe):
-    from verl_stable.cpu.hf_rollout import routing_exporter
+    from verl_stable.cpu.hf_routing import routing_exporter
     from verl_stable.routing import capture
 
     exporter = routing_exporter(tiny_moe)

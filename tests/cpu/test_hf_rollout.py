@@ -20,6 +20,12 @@ def test_options_from_verl_knobs():
     assert hf_rollout.resolve_options({"engine_kwargs": {"hf": {"max_batch_size": 1}}}).max_batch_size == 1
 
 
+def test_the_command_line_precisions_are_the_backends():
+    from verl_stable.cpu import hf_options, precision
+
+    assert set(hf_options.PRECISIONS) == set(precision.PRECISIONS) and len(hf_options.PRECISIONS) == 4
+
+
 @pytest.mark.parametrize(
     ("cfg", "match"),
     [
@@ -117,7 +123,7 @@ def test_server_generate_honours_verls_contract(cpu_assets):
 
 
 def hf_rollout_server_methods():
-    from verl_stable.cpu.contracts import server_methods_called
+    from verl_stable.cpu.hf_rollout import server_methods_called
 
     return sorted(server_methods_called())
 

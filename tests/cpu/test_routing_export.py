@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from verl_stable.cpu import hf_rollout
+from verl_stable.cpu import hf_routing, hf_server
 from verl_stable.routing import RoutingTrace, UnsupportedModelError, capture, replay
 
 PROMPT = [3, 7, 5, 9, 20, 4, 5, 3, 8, 5]
@@ -26,7 +26,7 @@ def _server(path, precision="fp32", **hf):
         enable_rollout_routing_replay=True,
         engine_kwargs={"hf": {"precision": precision, **hf}},
     )
-    return hf_rollout.HFRolloutServer(cfg, HFModelConfig(path=str(path)))
+    return hf_server.HFRolloutServer(cfg, HFModelConfig(path=str(path)))
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp8"])
@@ -69,26 +69,26 @@ def test_unroutable_model_family_is_a_clear_error(cpu_assets, tmp_path):
 def test_lean_generation_capture_equals_general_capture(tiny_moe):
     from verl_stable.cpu.generation import KVCachedSampler, SamplingSpec
 
-    capture_factory, to_array, _ = hf_rollout.routing_exporter(tiny_moe)
+    capture_factory, to_array, _ = hf_routing.routing_exporter(tiny_moe)
     sampler = KVCachedSampler(tiny_moe, max_model_len=32)
     spec = SamplingSpec(max_tokens=8, ignore_eos=True, seed=3)
     prompt = [3, 7, 5, 9, 20]
     lean = sampler.generate(prompt, spec, routing_capture=capture_factory)
     general = sampler.generate(prompt, spec, routing_capture=capture)
-    assert isinstance(lean.routing, hf_rollout.RouterIdsRecorder)
+    assert isinstance(lean.routing, hf_routing.RouterIdsRecorder)
     assert lean.token_ids == general.token_ids
     expected = general.routing.trace.to_tensor()
     assert expected.shape[0] == len(prompt) + len(lean.token_ids) - 1
     assert torch.equal(lean.routing.ids(), expected.long())
     layout = general.routing.layout
-    want = hf_rollout.routed_experts_array(expected, list(layout.moe_layers), layout.num_hidden_layers, 8)
+    want = hf_routing.routed_experts_array(expected, list(layout.moe_layers), layout.num_hidden_layers, 8)
     assert (to_array(lean.routing) == want).all()
     # hooks are gone after the generation
     assert all(not site.module._forward_hooks for site in lean.routing.routing.sites)
 
 
 def test_lean_capture_reports_a_bypassed_router(tiny_moe):
-    capture_factory, _, _ = hf_rollout.routing_exporter(tiny_moe)
+    capture_factory, _, _ = hf_routing.routing_exporter(tiny_moe)
     with torch.no_grad(), capture_factory(tiny_moe) as rec:
         tiny_moe(input_ids=torch.tensor([[3, 4, 5]]))
     rec.rows[1].pop()  # as if layer 1's router had not run in the last forward

@@ -321,7 +321,7 @@ def test_a_damaged_run_is_incomplete_and_starts_over(tmp_path, monkeypatch, done
 
 
 def test_a_damaged_asset_marker_rebuilds_the_assets(tmp_path, monkeypatch):
-    from verl_stable.lab import assets as A
+    from verl_stable.cpu import assets as A
 
     built = []
     monkeypatch.setattr(A, "build_tokenizer", lambda d: built.append("tokenizer"))

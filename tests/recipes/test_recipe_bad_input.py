@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from verl_stable import recipe_cli
 from verl_stable import recipes as R
+from verl_stable.cpu import launch
 
 EXPECTED_KEY = "expected a key of verl's ppo_trainer or of verl-stable"
 
@@ -16,26 +18,24 @@ EXPECTED_KEY = "expected a key of verl's ppo_trainer or of verl-stable"
 def _refused(argv: list[str], capsys) -> str:
     """Run ``verl-stable recipe ARGV``, assert exit code 2; return stderr."""
     with pytest.raises(SystemExit) as info:
-        R.main(argv, out=lambda _: None)
+        recipe_cli.main(argv, out=lambda _: None)
     assert info.value.code == 2
     return capsys.readouterr().err
 
 
 def _check(argv: list[str]) -> tuple[int, list[str]]:
     lines: list[str] = []
-    return R.main(["check", *argv], out=lines.append), lines
+    return recipe_cli.main(["check", *argv], out=lines.append), lines
 
 
 @pytest.fixture
 def no_run(monkeypatch):
     """Building assets or starting verl fails the test."""
-    import verl_stable.cpu.launch as launch
-    import verl_stable.lab.assets as assets
 
     def fail(*args, **kwargs):
         raise AssertionError("work started although the input should have been refused")
 
-    monkeypatch.setattr(assets, "ensure_assets", fail)
+    monkeypatch.setattr(launch, "ensure_assets", fail)
     monkeypatch.setattr(launch, "run_main_ppo", fail)
 
 
@@ -196,13 +196,13 @@ def test_run_cpu_refuses_megatron_and_a_file_as_workdir(tmp_path, capsys, no_run
     assert f"workdir {target} is a file; expected a directory" in err
 
 
-def test_run_on_cpu_refuses_bad_arguments(tmp_path, no_run):
+def test_run_recipe_refuses_bad_arguments(tmp_path, no_run):
     with pytest.raises(ValueError, match=r"steps must be an integer >= 1, got 0"):
-        R.run_on_cpu("vespo", tmp_path, steps=0)
+        launch.run_recipe("vespo", tmp_path, steps=0)
     with pytest.raises(ValueError, match=r"unknown task 'sort'; expected one of \('copy', 'add', 'max'\)"):
-        R.run_on_cpu("vespo", tmp_path, task="sort")
+        launch.run_recipe("vespo", tmp_path, task="sort")
     with pytest.raises(ValueError, match="unknown regime"):
-        R.run_on_cpu("minirl_n9", tmp_path)
+        launch.run_recipe("minirl_n9", tmp_path)
 
 
 def test_run_cpu_refuses_what_verls_conversion_would_reject_at_run_time(tmp_path, capsys, no_run):
@@ -215,16 +215,13 @@ def test_run_cpu_preflight_accepts_every_shipped_regime(tmp_path, monkeypatch, r
     """The checks pass the real CPU argument list; overrides after options reach verl, last."""
     import subprocess
 
-    import verl_stable.cpu.launch as launch
-    import verl_stable.lab.assets as assets
-
     calls: list[list[str]] = []
-    monkeypatch.setattr(assets, "ensure_assets", lambda root, spec=None: assets.asset_paths(root))
+    monkeypatch.setattr(launch, "ensure_assets", lambda root, spec=None: launch.asset_paths(root))
     monkeypatch.setattr(
         launch, "run_main_ppo", lambda args, workdir: calls.append(list(args)) or subprocess.CompletedProcess(args, 0)
     )
     argv = ["run-cpu", regime, "--workdir", str(tmp_path), "--steps", "1", "trainer.val_before_train=True"]
-    assert R.main(argv, out=lambda _: None) == 0
+    assert recipe_cli.main(argv, out=lambda _: None) == 0
     assert calls and calls[0][-1] == "trainer.val_before_train=True"
 
 

@@ -20,7 +20,11 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
+from verl_stable import recipe_cli
 from verl_stable import recipes as R
+from verl_stable.cpu import launch
+
+CHECKOUT = Path(__file__).resolve().parents[2]
 
 # regime -> (loss_mode, N, router_replay.mode, rollout routing export): the paper's table (arXiv 2512.01374 + VESPO)
 EXPECTED = {
@@ -259,7 +263,7 @@ def test_bad_names_give_clear_errors(tmp_path, monkeypatch):
         R.parse_recipe_name("deepspeed/minirl_n2_r2")
     assert R.parse_recipe_name("minirl_n2_r2") == ("fsdp", "minirl_n2_r2")
     assert R.parse_recipe_name("megatron/vespo.yaml") == ("megatron", "vespo")
-    checkout = Path(R.__file__).resolve().parent.parent / "recipes"
+    checkout = CHECKOUT / "recipes"
     assert R.recipes_dir() == checkout
     monkeypatch.setenv(R.RECIPES_ENV, str(tmp_path))  # set, but no recipes there: an error, not a silent fallback
     with pytest.raises(FileNotFoundError, match=R.RECIPES_ENV):
@@ -275,18 +279,29 @@ def test_bad_names_give_clear_errors(tmp_path, monkeypatch):
 
 
 def test_cli(capsys):
-    assert R.main(["list"]) == 0
+    assert recipe_cli.main(["list"]) == 0
     out = capsys.readouterr().out
     assert out.count("\n") == len(ALL) and "megatron/minirl_n4_r3" in out
-    assert R.main(["command", "megatron/vespo"]) == 0
+    assert recipe_cli.main(["command", "megatron/vespo"]) == 0
     assert capsys.readouterr().out.split()[-1] == "--config-name=vespo"
-    assert R.main(["check", "fsdp/minirl_onpolicy"]) == 0
-    assert R.main(["check", "fsdp/minirl_onpolicy", "data.train_batch_size=128"]) == 1
+    assert recipe_cli.main(["check", "fsdp/minirl_onpolicy"]) == 0
+    assert recipe_cli.main(["check", "fsdp/minirl_onpolicy", "data.train_batch_size=128"]) == 1
     assert "staleness N" in capsys.readouterr().out
 
 
+def test_python_m_verl_stable_recipes_runs_the_recipe_command():
+    """Launch scripts and the docs run ``python -m verl_stable.recipes``; it is ``verl-stable recipe``."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "verl_stable.recipes", "path", "fsdp/vespo"], capture_output=True, text=True, check=True
+    )
+    assert proc.stdout.strip() == str(R.recipe_path("fsdp", "vespo"))
+
+
 # ------------------------------------------------------------------------------------------------ launch scripts
-LAUNCH = Path(R.__file__).resolve().parent.parent / "recipes" / "launch"
+LAUNCH = CHECKOUT / "recipes" / "launch"
 ARGV_SHIM = """#!/bin/sh
 for a in "$@"; do printf '%s\\n' "$a"; done > "$ARGV_OUT"
 """
@@ -366,7 +381,7 @@ FAKE_ASSETS = SimpleNamespace(model_dir="/nonexistent/model", train_file="/nonex
 @pytest.mark.parametrize("regime", list(EXPECTED))
 def test_cpu_version_of_each_regime_keeps_n_loss_and_replay(regime):
     loss, n, replay, export = EXPECTED[regime]
-    overrides = R.cpu_overrides(regime, FAKE_ASSETS, mini_batch_prompts=2, group_size=4)
+    overrides = launch.regime_overrides(regime, FAKE_ASSETS, mini_batch_prompts=2, group_size=4)
     cfg = R.compose_recipe("fsdp", regime, overrides)
     # the CPU runtime's settings ...
     assert cfg.trainer.device == "cpu" and cfg.actor_rollout_ref.rollout.name == "hf"
@@ -382,7 +397,7 @@ def test_cpu_version_of_each_regime_keeps_n_loss_and_replay(regime):
 
 def test_cpu_overrides_refuse_megatron():
     with pytest.raises(ValueError, match="only the fsdp recipes"):
-        R.cpu_overrides("vespo", FAKE_ASSETS, backend="megatron")
+        launch.regime_overrides("vespo", FAKE_ASSETS, backend="megatron")
 
 
 # The minirl_n2_r2 recipe runs end to end through verl's main_ppo in

@@ -18,17 +18,20 @@ class (verl's, or the project's replay subclass) ends up building the module.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from verl_stable.cpu import contracts
+from verl_stable.cpu.contracts import Contract, ContractError, ContractResult
 from verl_stable.cpu.platform import cpu_selected
 
 DEVICE = "cpu"
 BACKENDS = ("fsdp", "fsdp2")
 # model_type -> class name in verl.workers.engine.fsdp.transformer_impl
 ENGINES = {"language_model": "FSDPEngineWithLMHead", "value_model": "FSDPEngineWithValueHead"}
-# The module whose global ``CPUOffloadPolicy`` verl's FSDP2 build calls (see contracts.fsdp2_offload_policy).
+# The module whose global ``CPUOffloadPolicy`` verl's FSDP2 build calls (contract fsdp2_offload_policy below).
 OFFLOAD_POLICY_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 
 _INSTALLED = contextlib.ExitStack()
@@ -75,8 +78,6 @@ def unpinned_offload_policy() -> Iterator[type]:
     """
     import importlib
 
-    from verl_stable.cpu.contracts import ContractError
-
     module = importlib.import_module(OFFLOAD_POLICY_MODULE)
     original = getattr(module, "CPUOffloadPolicy", None)
     if original is None:
@@ -117,3 +118,47 @@ def register(force: bool = False) -> list[str]:
         _INSTALLED.enter_context(unpinned_offload_policy())
     done.append("fsdp2_offload:unpinned")
     return done
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Contracts: the verl interfaces the CPU engines rely on, checked by name (``verl-stable doctor``).
+
+
+def _engine_registry() -> str:
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.fsdp import transformer_impl
+
+    if not isinstance(getattr(EngineRegistry, "_engines", None), dict):
+        raise ContractError("EngineRegistry._engines is no longer a dict")
+    for name in ENGINES.values():
+        if not hasattr(transformer_impl, name):
+            raise ContractError(f"verl.workers.engine.fsdp.transformer_impl.{name} missing")
+    return "FSDP engines registrable for device cpu"
+
+
+def _fsdp2_offload_policy() -> str:
+    from verl.workers.engine.fsdp import transformer_impl
+
+    HostOffloadPolicy = host_offload_policy()  # noqa: N806 - a class
+    policy = getattr(transformer_impl, "CPUOffloadPolicy", None)
+    if policy is None:
+        raise ContractError("verl.workers.engine.fsdp.transformer_impl no longer imports CPUOffloadPolicy by name")
+    src = inspect.getsource(transformer_impl.FSDPEngine._build_fsdp_module)
+    if "CPUOffloadPolicy(" not in src:
+        raise ContractError("FSDPEngine._build_fsdp_module no longer builds CPUOffloadPolicy(...) from the module name")
+    if policy is not HostOffloadPolicy and not issubclass(HostOffloadPolicy, policy):
+        raise ContractError(f"transformer_impl.CPUOffloadPolicy is {policy!r}, not torch's FSDP2 CPUOffloadPolicy")
+    return "forward-only / offload_policy FSDP2 engines build transformer_impl.CPUOffloadPolicy (made unpinned)"
+
+
+CONTRACTS: tuple[Contract, ...] = (
+    Contract("engine_registry", "EngineRegistry + FSDP engine classes", _engine_registry),
+    Contract(
+        "fsdp2_offload_policy", "FSDP2 engines build CPUOffloadPolicy from their module's name", _fsdp2_offload_policy
+    ),
+)
+
+
+def check_contracts(names: tuple[str, ...] | list[str] | None = None) -> list[ContractResult]:
+    """Run the engines' contracts (all by default); never raises."""
+    return contracts.check(CONTRACTS, names)

@@ -1,13 +1,14 @@
 """One-command CPU runs of verl's own trainer (``python -m verl.trainer.main_ppo``) with the CPU runtime.
 
 :func:`cpu_overrides` returns the hydra overrides a CPU run needs (platform, fake Ray GPU for placement, gloo, sdpa,
-one TransferQueue storage unit, the ``hf`` rollout backend, tiny batch sizes, the toy reward). :func:`main` checks its
-arguments and the composed config (:func:`verl_stable.recipes.preflight`), builds the tiny assets if missing and runs
-``main_ppo`` in a subprocess with ``VERL_PLATFORM=cpu``; extra ``key=value`` arguments are appended and win. Per-step
-metrics go to a JSON-lines file (verl's ``file`` logger).
+one TransferQueue storage unit, the ``hf`` rollout backend, tiny batch sizes, the toy reward); :func:`regime_overrides`
+turns a recipe's regime into such a run with the same N, loss and replay, and :func:`run_recipe` runs it. :func:`main`
+(``verl-stable run``) checks its arguments and the composed config (:func:`verl_stable.recipes.preflight`), builds the
+tiny assets (:mod:`verl_stable.cpu.assets`) if missing and runs ``main_ppo`` in a subprocess with ``VERL_PLATFORM=cpu``;
+extra ``key=value`` arguments are appended and win. Per-step metrics go to a JSON-lines file (verl's ``file`` logger).
 
-Every run gets a Ray temporary directory of its own (:func:`ray_tmpdir`, passed as ``RAY_TMPDIR``), so concurrent runs
-and users on one machine never share Ray's session directories or sockets.
+Running the subprocess (environment, a Ray temporary directory of its own, start-up retries, reading the metrics back)
+is :mod:`verl_stable.cpu.trainer_process`; its names stay importable from here.
 
     python -m verl_stable.cpu.launch --workdir /tmp/run trainer.total_training_steps=3
 """
@@ -15,22 +16,36 @@ and users on one machine never share Ray's session directories or sockets.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import math
 import os
-import stat
-import subprocess
-import sys
-import tempfile
 from collections.abc import Sequence
-from pathlib import Path
+from typing import Any
 
-from verl_stable.cpu import vllm_rollout
-from verl_stable.cpu.polling import ENV_POLL_INTERVAL
-from verl_stable.lab import tasks
-from verl_stable.lab.assets import Assets, AssetSpec, asset_paths, ensure_assets
-from verl_stable.lab.variants import PRECISIONS
+from verl_stable import recipes
+from verl_stable.cpu import tasks, vllm_rollout
+from verl_stable.cpu.assets import Assets, AssetSpec, asset_paths, ensure_assets
+from verl_stable.cpu.hf_options import PRECISIONS
+from verl_stable.cpu.trainer_process import RAY_TMPDIR_NAME, cpu_env, ray_tmpdir, read_metrics, run_main_ppo
+
+__all__ = [
+    "CPU_GROUP_SIZE",
+    "CPU_MINI_BATCH_PROMPTS",
+    "ENGINES",
+    "PRECISIONS",
+    "RAY_TMPDIR_NAME",
+    "RUNTIME_OVERRIDES",
+    "VLLM_DTYPES",
+    "asset_spec",
+    "cpu_env",
+    "cpu_overrides",
+    "engine_overrides",
+    "main",
+    "ray_tmpdir",
+    "read_metrics",
+    "regime_overrides",
+    "run_main_ppo",
+    "run_recipe",
+]
 
 # Overrides every CPU run needs, independent of the model/data; each says why where it is not obvious.
 RUNTIME_OVERRIDES: tuple[str, ...] = (
@@ -111,7 +126,7 @@ def cpu_overrides(
     """Hydra overrides for a GRPO run of the tiny assets on the CPU runtime.
 
     Args:
-        assets: paths from :func:`verl_stable.lab.assets.ensure_assets`.
+        assets: paths from :func:`verl_stable.cpu.assets.ensure_assets`.
         steps: ``trainer.total_training_steps``.
         batch_size: prompts per step (also the PPO mini-batch: one update per step).
         group_size: samples per prompt (GRPO group, ``rollout.n``).
@@ -166,115 +181,96 @@ def cpu_overrides(
     return ov
 
 
-def cpu_env(
-    metrics_file: str | os.PathLike | None = None, poll_interval_s: float | None = 0.1, base: dict | None = None
-) -> dict[str, str]:
-    """Environment for a CPU ``main_ppo`` subprocess: platform choice, poll interval, metrics file."""
-    env = dict(os.environ if base is None else base)
-    env["VERL_PLATFORM"] = "cpu"
-    env.setdefault("RAY_AUTH_MODE", "disabled")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.setdefault("RAY_DEDUP_LOGS", "0")
-    if poll_interval_s is not None:
-        env[ENV_POLL_INTERVAL] = str(poll_interval_s)
-    if metrics_file is not None:
-        env["VERL_FILE_LOGGER_PATH"] = str(metrics_file)
-    return env
+# A regime's recipe on the CPU: the paper's 64 prompts x 16 samples per mini-batch, scaled down.
+CPU_MINI_BATCH_PROMPTS = 2
+CPU_GROUP_SIZE = 4
 
 
-def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """Per-step metric dicts from verl's file logger (``{"step": s, "data": {...}}`` per line)."""
-    rows = []
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            rows.append({"step": record["step"], **record["data"]})
-    return rows
+def regime_overrides(
+    regime: str | recipes.Regime,
+    assets: Any,
+    *,
+    steps: int = 2,
+    mini_batch_prompts: int = CPU_MINI_BATCH_PROMPTS,
+    group_size: int = CPU_GROUP_SIZE,
+    backend: str = "fsdp",
+) -> list[str]:
+    """Overrides that run a regime's recipe on the CPU runtime with the tiny assets, keeping its N, loss and replay.
 
+    The runtime overrides come from :func:`cpu_overrides`; every key the recipe file sets itself is dropped from them
+    (the recipe defines the regime), then the CPU geometry is appended: a mini-batch of
+    ``mini_batch_prompts x group_size`` responses, ``N`` of them per step, one micro-batch per mini-batch.
 
-_RAY_START_FAILURE = "The current node timed out during startup"
-
-RAY_TMPDIR_NAME = "ray_tmp"
-# Ray puts its unix sockets at <RAY_TMPDIR>/ray/session_<date>_<time>_<microseconds>_<pid>/sockets/<name>; this is the
-# longest such tail (pid up to Linux's 4194304, a numbered plasma_store socket). A socket path holds at most 107 bytes
-# on Linux and 103 on macOS, and Ray refuses longer ones only once the node starts.
-_RAY_SOCKET_TAIL = "/ray/session_2000-01-01_00-00-00_000000_4194304/sockets/plasma_store.99"
-_SOCKET_PATH_MAX = 103 if sys.platform == "darwin" else 107
-
-
-def _fits_ray_sockets(path: Path) -> bool:
-    return len(str(path).encode()) + len(_RAY_SOCKET_TAIL) <= _SOCKET_PATH_MAX
-
-
-def ray_tmpdir(workdir: str | os.PathLike) -> Path:
-    """The Ray temporary directory of a run in ``workdir`` (created; Ray adds ``ray/session_*`` below it).
-
-    ``workdir/ray_tmp`` when Ray's socket paths below it fit the unix-socket limit. A deeper workdir gets a short
-    directory of its own in the system temp dir instead, named by the user id and a hash of ``workdir`` (mode 0700,
-    so another user cannot share or pre-create it), and ``workdir/ray_tmp`` becomes a link to it.
+    Args:
+        regime: the regime (or its name, see :data:`verl_stable.recipes.REGIMES`).
+        assets: :class:`verl_stable.cpu.assets.Assets` (tiny MoE, tokenizer, parquet data).
+        steps: ``trainer.total_training_steps``.
+        mini_batch_prompts: prompts per mini-batch (the paper's 64, scaled down).
+        group_size: samples per prompt (the paper's 16, scaled down).
+        backend: only ``fsdp`` runs on CPU.
 
     Raises:
-        PermissionError: The short directory exists but is not a directory owned by this user.
-        ValueError: No candidate directory is short enough.
+        ValueError: A backend other than ``fsdp``.
     """
-    workdir = Path(workdir).resolve()
-    own = workdir / RAY_TMPDIR_NAME
-    if _fits_ray_sockets(own):
-        if own.is_symlink():  # left by an earlier run when the path was handled as too long
-            own.unlink()
-        own.mkdir(parents=True, exist_ok=True)
-        return own
-    uid = os.getuid() if hasattr(os, "getuid") else 0
-    name = f"vs-ray-{uid}-{hashlib.sha256(str(workdir).encode()).hexdigest()[:12]}"
-    for root in dict.fromkeys((Path(tempfile.gettempdir()), Path("/tmp"))):
-        short = root / name
-        if not _fits_ray_sockets(short):
-            continue
-        short.mkdir(mode=0o700, exist_ok=True)
-        info = os.lstat(short)
-        if not stat.S_ISDIR(info.st_mode) or (hasattr(os, "getuid") and info.st_uid != uid):
-            raise PermissionError(
-                f"Ray temporary directory {short} is not a directory owned by user {uid}; expected one this user "
-                "created (remove it or run from a shorter --workdir)"
-            )
-        workdir.mkdir(parents=True, exist_ok=True)
-        if own.is_symlink() or not own.exists():
-            own.unlink(missing_ok=True)
-            own.symlink_to(short, target_is_directory=True)
-        return short
-    raise ValueError(
-        f"no Ray temporary directory short enough for unix sockets ({_SOCKET_PATH_MAX} bytes with "
-        f"{len(_RAY_SOCKET_TAIL)} for Ray's session path) under {workdir} or the system temp dir"
+    if backend != "fsdp":
+        raise ValueError(f"only the fsdp recipes run on the CPU runtime, got backend {backend!r}")
+    regime = recipes.REGIMES[regime] if isinstance(regime, str) else regime
+    own = set(recipes.recipe_keys(recipes.recipe_path(backend, regime.name)))
+    train = mini_batch_prompts * regime.staleness
+    runtime = cpu_overrides(
+        assets,
+        steps=steps,
+        batch_size=train,
+        group_size=group_size,
+        rollout_is="token",
+        routing_capture=regime.rollout_routing_export,
     )
+    geometry = {
+        "data.train_batch_size": train,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": mini_batch_prompts,
+        "actor_rollout_ref.rollout.n": group_size,
+        "actor_rollout_ref.actor.use_dynamic_bsz": False,
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": False,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": mini_batch_prompts * group_size,
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": mini_batch_prompts * group_size,
+        "actor_rollout_ref.rollout.name": "hf",
+    }
+    kept = []
+    for item in runtime:
+        key = item.split("=", 1)[0].lstrip("+~")
+        if key not in own and key not in geometry:
+            kept.append(item)
+    return kept + [f"{k}={v}" for k, v in geometry.items()]
 
 
-def run_main_ppo(
-    overrides: Sequence[str],
-    workdir: str | os.PathLike,
-    *,
-    timeout_s: float | None = None,
-    poll_interval_s: float | None = 0.1,
-    log_name: str = "main_ppo.log",
-    ray_start_retries: int = 2,
-) -> subprocess.CompletedProcess:
-    """Run ``python -m verl.trainer.main_ppo`` with ``overrides`` in ``workdir`` (log in ``workdir/log_name``).
+def run_recipe(
+    regime: str, workdir: str | os.PathLike, overrides: Sequence[str] = (), *, steps: int = 2, task: str = "copy"
+) -> int:
+    """Run ``recipes/fsdp/<regime>.yaml`` with verl's ``main_ppo`` on the CPU runtime (tiny MoE, toy task).
 
-    Ray gives its local node a fixed 30 s to start; on an overloaded host that fails before verl runs, so such a
-    start-up failure (and only that) is retried up to ``ray_start_retries`` times. Ray's temporary files (sessions,
-    sockets, logs) go to the run's own :func:`ray_tmpdir`.
+    The arguments are checked first (:func:`verl_stable.recipes.preflight`); then the tiny assets are built under
+    ``workdir/assets`` if missing; the log is ``workdir/run/main_ppo.log`` and the per-step metrics
+    ``workdir/run/metrics.jsonl``. Returns ``main_ppo``'s exit code.
+
+    Raises:
+        ValueError: An unknown regime or task, ``steps`` below 1, a ``workdir`` that
+            :func:`verl_stable.recipes.check_output_dir` refuses, or overrides that
+            :func:`verl_stable.recipes.preflight` refuses; raised before anything is built or started.
     """
-    workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    env = cpu_env(workdir / "metrics.jsonl", poll_interval_s)
-    env["RAY_TMPDIR"] = str(ray_tmpdir(workdir))
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
-    for attempt in range(ray_start_retries + 1):
-        with open(workdir / log_name, "w") as log:
-            proc = subprocess.run(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
-        if proc.returncode == 0 or _RAY_START_FAILURE not in (workdir / log_name).read_text(errors="ignore"):
-            return proc
-        print(f"Ray node start-up timed out (attempt {attempt + 1}); retrying", file=sys.stderr)
-    return proc
+    recipes.check_backend_regime("fsdp", regime)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    if task not in tasks.TASKS:
+        raise ValueError(f"unknown task {task!r}; expected one of {tasks.TASKS}")
+    workdir = recipes.check_output_dir(workdir, "workdir")
+    path = recipes.recipe_path("fsdp", regime)
+    ov = regime_overrides(regime, asset_paths(workdir / "assets"), steps=steps)
+    ov += [f"trainer.default_local_dir={workdir / 'checkpoints'}", *overrides]
+    recipes.preflight(ov, recipe=path)
+    ensure_assets(workdir / "assets", AssetSpec(task=task))
+    args = [f"--config-path={path.parent}", f"--config-name={path.stem}", *ov]
+    proc = run_main_ppo(args, workdir / "run")
+    return proc.returncode
 
 
 def _positive_int(text: str) -> int:
@@ -309,8 +305,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         SystemExit: code 2 for a bad argument or overrides that :func:`verl_stable.recipes.preflight` refuses (a
             malformed or unknown key, a config verl would reject), before any asset is built or verl started.
     """
-    from verl_stable import recipes
-
     parser = argparse.ArgumentParser(prog="verl-stable run", description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="./verl_stable_cpu_run", help="assets, checkpoints, logs, metrics")
     parser.add_argument("--task", default="copy", choices=tasks.TASKS)

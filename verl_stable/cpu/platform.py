@@ -20,13 +20,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
+import re
 import sys
 import types
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from verl_stable import SUPPORTED_VERL_VERSION
+from verl_stable.cpu import contracts
+from verl_stable.cpu.contracts import Contract, ContractError, ContractResult
 
 PLATFORM_NAME = "cpu"
 ENV_PLATFORM = "VERL_PLATFORM"
@@ -348,3 +355,81 @@ def register() -> list[str]:
             _INSTALLED.enter_context(gloo_backend_fix())
         done.append("selected:cpu(gloo)")
     return done
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Contracts: the verl version the CPU runtime is written against, and the verl interfaces the platform relies on,
+# checked by name (``verl-stable doctor``).
+SUPPORTED_VERL = SUPPORTED_VERL_VERSION
+
+
+def _verl_version() -> str:
+    import verl
+
+    if verl.__version__ != SUPPORTED_VERL:
+        raise ContractError(f"verl {verl.__version__} installed, the CPU runtime is pinned to verl=={SUPPORTED_VERL}")
+    return f"verl {verl.__version__}"
+
+
+def _platform_registry() -> str:
+    from verl.plugin.platform import PlatformRegistry, get_platform, platform_manager
+
+    for attr in ("register", "get", "registered_names"):
+        if not hasattr(PlatformRegistry, attr):
+            raise ContractError(f"PlatformRegistry.{attr} missing")
+    if ENV_PLATFORM not in inspect.getsource(platform_manager._detect_platform_name):
+        raise ContractError("platform detection no longer reads VERL_PLATFORM")
+    platform_class()()  # TypeError if PlatformBase grew abstract methods we do not implement
+    return f"PlatformBase subclass instantiates; get_platform={get_platform.__name__}"
+
+
+def _device_id_string() -> str:
+    from verl.utils import device
+
+    src = inspect.getsource(device.get_device_id)
+    if "current_device()" not in src:
+        raise ContractError("verl.utils.device.get_device_id no longer returns platform.current_device()")
+    return "get_device_id() -> platform.current_device() == 'cpu'"
+
+
+def _device_module_calls() -> str:
+    import verl
+
+    root = Path(verl.__file__).parent
+    called: set[str] = set()
+    pattern = re.compile(r"get_torch_device\(\)\.([A-Za-z_]+)")
+    for path in root.rglob("*.py"):
+        if "third_party" in path.parts:
+            continue
+        called.update(pattern.findall(path.read_text(errors="ignore")))
+    missing = sorted(name for name in called if not hasattr(CPU_DEVICE_MODULE, name))
+    if missing:
+        raise ContractError(f"verl calls get_torch_device().{missing} which the CPU device module lacks")
+    return f"{len(called)} torch.cuda-style calls answered"
+
+
+def _backend_string() -> str:
+    from verl.utils import distributed
+
+    src = inspect.getsource(distributed.initialize_global_process_group_ray)
+    if 'f"cpu:gloo,{get_device_name()}:{get_nccl_backend()}"' not in src:
+        raise ContractError("verl's process-group backend string changed (expected 'cpu:gloo,{device}:{backend}')")
+    if normalize_backend("cpu:gloo,cpu:gloo") != "gloo":
+        raise ContractError("backend normalisation broken")
+    return "'cpu:gloo,cpu:gloo' -> 'gloo'"
+
+
+CONTRACTS: tuple[Contract, ...] = (
+    Contract("verl_version", f"verl == {SUPPORTED_VERL}", _verl_version),
+    Contract("platform_registry", "PlatformRegistry + VERL_PLATFORM selection + PlatformBase ABC", _platform_registry),
+    Contract("device_id_string", "get_device_id() returns platform.current_device() ('cpu')", _device_id_string),
+    Contract(
+        "device_module_calls", "every get_torch_device().X verl calls exists on the CPU module", _device_module_calls
+    ),
+    Contract("backend_string", "process-group backend 'cpu:gloo,{device}:{backend}' normalised", _backend_string),
+)
+
+
+def check_contracts(names: tuple[str, ...] | list[str] | None = None) -> list[ContractResult]:
+    """Run the platform's contracts (all by default); never raises."""
+    return contracts.check(CONTRACTS, names)

@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 from collections.abc import Iterator
 from typing import Any
+
+from verl_stable.cpu import contracts
+from verl_stable.cpu.contracts import Contract, ContractError, ContractResult
 
 ENV_POLL_INTERVAL = "VERL_STABLE_POLL_INTERVAL_S"
 _INSTALLED = contextlib.ExitStack()
@@ -62,3 +66,25 @@ def register() -> list[str]:
     if current is None:
         _INSTALLED.enter_context(poll_interval(float(raw)))
     return [f"replay_buffer_poll_interval:{float(raw)}s"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Contracts: the verl interface the poll interval relies on, checked by name (``verl-stable doctor``).
+
+
+def _replay_buffer_poll() -> str:
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+
+    if "poll_interval" not in inspect.signature(ReplayBuffer.__init__).parameters:
+        raise ContractError("ReplayBuffer.__init__ has no poll_interval argument")
+    if "self.poll_interval" not in inspect.getsource(ReplayBuffer._wait_for_next_poll):
+        raise ContractError("ReplayBuffer._wait_for_next_poll no longer sleeps self.poll_interval")
+    return "ReplayBuffer(poll_interval=...)"
+
+
+CONTRACTS: tuple[Contract, ...] = (Contract("replay_buffer_poll", "ReplayBuffer poll_interval", _replay_buffer_poll),)
+
+
+def check_contracts(names: tuple[str, ...] | list[str] | None = None) -> list[ContractResult]:
+    """Run the poll interval's contracts (all by default); never raises."""
+    return contracts.check(CONTRACTS, names)

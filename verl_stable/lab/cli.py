@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from verl_stable.lab.sweep import MAX_SEED
+from verl_stable.lab.presets import MAX_SEED
 from verl_stable.lab.variants import PRECISIONS
 
 

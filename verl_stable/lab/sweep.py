@@ -1,6 +1,6 @@
 """The lab's sweep: one run of verl's own trainer (``main_ppo`` on the CPU runtime) per (variant, N, seed).
 
-The sweep only orchestrates: it builds the tiny assets (:mod:`verl_stable.lab.assets`), cold-starts the model
+The sweep only orchestrates the runs of a preset (:mod:`verl_stable.lab.presets`): it builds the tiny assets (:mod:`verl_stable.cpu.assets`), cold-starts the model
 (:mod:`verl_stable.lab.coldstart`, cached), composes each run's overrides (:func:`verl_stable.lab.variants
 .run_overrides`), runs :func:`verl_stable.cpu.launch.run_main_ppo` and collects the per-step metrics verl's file
 logger wrote. Every loss, estimator, replay and monitor value comes from verl + verl-stable inside that process.
@@ -19,8 +19,8 @@ skipped, so an interrupted sweep resumes where it stopped (an incomplete run sta
 
 Nothing measured is ever deleted or truncated: a run that starts over first moves its earlier attempt's files aside
 (``superseded/``), and ``out/metrics.jsonl`` is rewritten atomically (a temporary file renamed over it) as the rows it
-held merged with the sweep's: a run measured again replaces its own rows, every other run's rows stay. A sweep is
-checked before any work starts: an ``only`` prefix that names no run of the preset, or an ``out/metrics.jsonl`` that
+held merged with the sweep's: a run measured again replaces its own rows, every other run's rows stay
+(:mod:`verl_stable.lab.results`). A sweep is checked before any work starts: an ``only`` prefix that names no run of the preset, or an ``out/metrics.jsonl`` that
 cannot be read back, is refused.
 
 Runs are independent processes (each with its own local Ray instance), so ``jobs > 1`` runs several at once. On a small
@@ -34,148 +34,39 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from verl_stable.cpu.assets import Assets, AssetSpec, ensure_assets
 from verl_stable.lab import variants as V
-from verl_stable.lab.assets import Assets, AssetSpec, ensure_assets
-from verl_stable.lab.coldstart import ColdStartConfig, ColdStartResult, cold_start
+from verl_stable.lab.coldstart import ColdStartResult, cold_start
+from verl_stable.lab.presets import MAX_SEED, PRESETS, Preset, RunSpec
 from verl_stable.lab.progress import ProgressBar
+from verl_stable.lab.results import RunOutcome, coldstart_line, load_rows, merge_rows, tag_rows
 
-MAX_SEED = 2**32 - 1  # numpy's seed range; verl seeds its data shuffling with data.seed
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """One training run: a variant at staleness N with a seed."""
-
-    variant: str
-    staleness: int
-    seed: int = 0
-
-    @property
-    def name(self) -> str:
-        return f"{self.variant}__N{self.staleness}__s{self.seed}"
-
-
-@dataclass(frozen=True)
-class Preset:
-    """A sweep: which runs, how long, at what scale.
-
-    Attributes:
-        name: preset id.
-        runs: (variant, N) pairs; each is run once per seed.
-        steps: RL steps per run (``trainer.total_training_steps``).
-        seeds: seeds per (variant, N).
-        mini_batch_prompts: prompts per mini-batch; a step has N mini-batches.
-        group_size: samples per prompt.
-        task: toy task of :mod:`verl_stable.lab.tasks`.
-        precision: rollout precision of the ``hf`` backend (the training engine is fp32).
-        max_response_length: response token budget (answers are one digit + end of turn).
-        coldstart: cold-start settings.
-    """
-
-    name: str
-    runs: tuple[tuple[str, int], ...]
-    steps: int
-    seeds: tuple[int, ...] = (0,)
-    mini_batch_prompts: int = 4
-    group_size: int = 4
-    task: str = "max"
-    precision: str = "fp8"
-    max_response_length: int = 4
-    coldstart: ColdStartConfig = field(default_factory=ColdStartConfig)
-
-    def __post_init__(self) -> None:
-        if self.steps < 1 or not self.seeds or not self.runs:
-            raise ValueError(f"preset {self.name!r} needs steps >= 1, a seed and a run")
-        bad_seeds = [s for s in self.seeds if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= MAX_SEED]
-        if bad_seeds:
-            raise ValueError(f"preset {self.name!r}: seeds must be integers in [0, {MAX_SEED}], got {bad_seeds}")
-        # two runs of one name would share (and clobber) one run directory
-        if len(set(self.seeds)) != len(self.seeds) or len(set(self.runs)) != len(self.runs):
-            raise ValueError(
-                f"preset {self.name!r}: seeds and (variant, N) runs must be distinct, got seeds={list(self.seeds)} "
-                f"runs={list(self.runs)}"
-            )
-        for variant, n in self.runs:
-            V.get_variant(variant)
-            if n not in V.STALENESS_CHOICES:
-                raise ValueError(f"preset {self.name!r}: N must be one of {V.STALENESS_CHOICES}, got {n}")
-        if self.precision not in V.PRECISIONS:
-            raise ValueError(f"precision must be one of {V.PRECISIONS}, got {self.precision!r}")
-
-    def run_specs(self) -> list[RunSpec]:
-        return [RunSpec(v, n, s) for s in self.seeds for v, n in self.runs]
-
-    def select(self, only: Sequence[str] | None = None) -> list[RunSpec]:
-        """The runs whose name starts with one of the ``only`` prefixes (every run when ``only`` is empty or None).
-
-        Raises:
-            ValueError: A prefix that names no run of this preset; the message lists the preset's run names.
-        """
-        specs = self.run_specs()
-        if not only:
-            return specs
-        unmatched = [p for p in only if not any(s.name.startswith(p) for s in specs)]
-        if unmatched:
-            raise ValueError(
-                f"--only {unmatched} names no run of preset {self.name!r}; expected a prefix of one of "
-                f"{[s.name for s in specs]}"
-            )
-        return [s for s in specs if any(s.name.startswith(p) for p in only)]
-
-
-PRESETS: dict[str, Preset] = {
-    p.name: p
-    for p in (
-        # <= 10 min on 2 cores (docs/lab.md): on-policy IS vs no IS; at N = 4 staleness, routing replay R3, VESPO
-        Preset(
-            "default",
-            runs=(
-                ("reinforce_no_is", 1),
-                ("minirl", 1),
-                ("minirl", 4),
-                ("minirl_r3", 4),
-                ("vespo", 4),
-            ),
-            steps=8,
-        ),
-        # R2 vs R3 against MiniRL without replay at two staleness levels (9 min 11 s on 2 cores, cold start cached)
-        Preset(
-            "replay",
-            runs=tuple((v, n) for n in (2, 4) for v in ("minirl", "minirl_r2", "minirl_r3")),
-            steps=8,
-        ),
-        Preset(
-            "full",
-            runs=tuple((v, n) for n in V.STALENESS_CHOICES for v in V.VARIANTS),
-            steps=40,
-            seeds=(0, 1),
-            mini_batch_prompts=8,
-            group_size=8,
-        ),
-        # the CI smoke test: one R3 run of two steps
-        Preset("mini", runs=(("minirl_r3", 2),), steps=2, mini_batch_prompts=2, group_size=4),
-    )
-}
-
-
-@dataclass
-class RunOutcome:
-    """What a run produced."""
-
-    spec: RunSpec
-    rows: list[dict]
-    returncode: int
-    skipped: bool
-    log: Path
+__all__ = [
+    "MAX_SEED",
+    "PRESETS",
+    "Preset",
+    "RunOutcome",
+    "RunSpec",
+    "check_sweep",
+    "coldstart_line",
+    "default_jobs",
+    "is_complete",
+    "load_rows",
+    "merge_rows",
+    "overrides_digest",
+    "prepare",
+    "run_one",
+    "run_sweep",
+    "tag_rows",
+]
 
 
 def overrides_digest(overrides: Sequence[str]) -> str:
@@ -275,11 +166,6 @@ def prepare(out: Path, preset: Preset) -> tuple[Assets, ColdStartResult]:
     assets = ensure_assets(out / "assets", spec)
     cs = cold_start(assets, spec, out / "coldstart", preset.coldstart)
     return replace(assets, model_dir=cs.model_dir), cs
-
-
-def tag_rows(rows: list[dict], spec: RunSpec) -> list[dict]:
-    """verl's per-step rows with the run's identity in front."""
-    return [{"variant": spec.variant, "staleness": spec.staleness, "seed": spec.seed, **r} for r in rows]
 
 
 def default_jobs() -> int:
@@ -411,78 +297,3 @@ def run_sweep(
         finished = [f.result() for f in futures if f.done() and not f.cancelled() and f.exception() is None]
         merge_rows(out / "metrics.jsonl", finished)
     return outcomes
-
-
-def _run_key(row: Any) -> tuple | None:
-    if not isinstance(row, dict):
-        return None
-    return (row.get("variant"), row.get("staleness"), row.get("seed"))
-
-
-def merge_rows(path: str | Path, outcomes: Sequence[RunOutcome]) -> list[dict]:
-    """Merge the outcomes' rows into the JSON-lines file ``path`` atomically; returns the rows now in it.
-
-    A run with new rows replaces that run's old rows (same variant, N and seed); a run that produced no rows leaves
-    its old rows in place, and so do all runs not in ``outcomes``. The merged rows go to a temporary file in the same
-    directory that is then renamed over ``path``, so a reader (or a crash) never sees a truncated file.
-
-    Raises:
-        ValueError: ``path`` exists but is not JSON lines (it is left untouched).
-    """
-    path = Path(path)
-    old = load_rows(path.parent, path.name)
-    fresh = [o for o in outcomes if o.rows]
-    replaced = {(o.spec.variant, o.spec.staleness, o.spec.seed) for o in fresh}
-    merged = [r for r in old if _run_key(r) not in replaced] + [r for o in fresh for r in o.rows]
-    if not fresh and path.exists():
-        return merged  # nothing new: the file stays byte for byte as it is
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            for row in merged:
-                f.write(json.dumps(row) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return merged
-
-
-def load_rows(out: str | Path, name: str = "metrics.jsonl") -> list[dict]:
-    """The sweep's rows from ``out/metrics.jsonl`` (empty if absent).
-
-    Raises:
-        ValueError: A line that is not a JSON object; the message names the file and the line.
-    """
-    path = Path(out) / name
-    if not path.is_file():
-        return []
-    rows = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} line {i} is not JSON ({exc.msg}); expected one JSON object per line") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{path} line {i} is a {type(row).__name__}; expected one JSON object per line")
-        rows.append(row)
-    return rows
-
-
-def coldstart_line(out: str | Path) -> str:
-    """One line on the cold start recorded under ``out`` (for the report header)."""
-    path = Path(out) / "coldstart.json"
-    if not path.exists():
-        return "unknown"
-    try:
-        info = json.loads(path.read_text())
-        return (
-            f"{info['steps']} supervised steps, expected exact-match reward {info['initial_expected_reward']:.3f} -> "
-            f"{info['expected_reward']:.3f}" + (" (cached)" if info.get("cached") else "")
-        )
-    except (ValueError, KeyError, TypeError, AttributeError):  # a hand-edited file must not cost the report
-        return f"unknown ({path} is unreadable)"

@@ -27,6 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from verl_stable import recipes
+from verl_stable.cpu import launch
+from verl_stable.cpu.hf_options import PRECISIONS
+
 ROUTER_REPLAY = "actor_rollout_ref.actor.fsdp_config.router_replay.mode"
 ROLLOUT_ROUTING = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
 ROLLOUT_IS = "algorithm.rollout_correction.rollout_is"
@@ -60,7 +64,7 @@ COMMON_SWITCHES: dict[str, Any] = {
 that warns instead of stopping."""
 
 STALENESS_CHOICES = (1, 2, 4, 8)
-PRECISIONS = ("fp8", "bf16", "fp16", "fp32")
+# PRECISIONS (imported above): the rollout precisions of the hf backend, fp8 first (the lab's "inference engine")
 
 
 @dataclass(frozen=True)
@@ -161,8 +165,6 @@ def run_overrides(
     Raises:
         ValueError: Unknown variant, N not in {1, 2, 4, 8}, or an unknown precision.
     """
-    from verl_stable import recipes
-
     variant = get_variant(variant) if isinstance(variant, str) else variant
     if staleness not in STALENESS_CHOICES:
         raise ValueError(f"staleness N must be one of {STALENESS_CHOICES}, got {staleness}")
@@ -170,7 +172,7 @@ def run_overrides(
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     path = recipes.recipe_path("fsdp", variant.recipe)
     args = [f"--config-path={path.parent}", f"--config-name={path.stem}"]
-    base = recipes.cpu_overrides(
+    base = launch.regime_overrides(
         variant.recipe, assets, steps=steps, mini_batch_prompts=mini_batch_prompts, group_size=group_size
     )
     reward = str(reward_path or Path(__file__).with_name("reward.py"))

@@ -1,0 +1,133 @@
+"""verl's trainer (``python -m verl.trainer.main_ppo``) as a subprocess on the CPU runtime, and the metrics it logs.
+
+:func:`run_main_ppo` starts it with the CPU platform selected (:func:`cpu_env`), its log in a file and its per-step
+metrics in a JSON-lines file (verl's ``file`` logger, read back with :func:`read_metrics`). Every run gets a Ray
+temporary directory of its own (:func:`ray_tmpdir`, passed as ``RAY_TMPDIR``), so concurrent runs and users on one
+machine never share Ray's session directories or sockets; a Ray node that times out while starting (an overloaded
+host) is retried.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from verl_stable.cpu.polling import ENV_POLL_INTERVAL
+
+
+def cpu_env(
+    metrics_file: str | os.PathLike | None = None, poll_interval_s: float | None = 0.1, base: dict | None = None
+) -> dict[str, str]:
+    """Environment for a CPU ``main_ppo`` subprocess: platform choice, poll interval, metrics file."""
+    env = dict(os.environ if base is None else base)
+    env["VERL_PLATFORM"] = "cpu"
+    env.setdefault("RAY_AUTH_MODE", "disabled")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("RAY_DEDUP_LOGS", "0")
+    if poll_interval_s is not None:
+        env[ENV_POLL_INTERVAL] = str(poll_interval_s)
+    if metrics_file is not None:
+        env["VERL_FILE_LOGGER_PATH"] = str(metrics_file)
+    return env
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """Per-step metric dicts from verl's file logger (``{"step": s, "data": {...}}`` per line)."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            rows.append({"step": record["step"], **record["data"]})
+    return rows
+
+
+_RAY_START_FAILURE = "The current node timed out during startup"
+
+RAY_TMPDIR_NAME = "ray_tmp"
+# Ray puts its unix sockets at <RAY_TMPDIR>/ray/session_<date>_<time>_<microseconds>_<pid>/sockets/<name>; this is the
+# longest such tail (pid up to Linux's 4194304, a numbered plasma_store socket). A socket path holds at most 107 bytes
+# on Linux and 103 on macOS, and Ray refuses longer ones only once the node starts.
+_RAY_SOCKET_TAIL = "/ray/session_2000-01-01_00-00-00_000000_4194304/sockets/plasma_store.99"
+_SOCKET_PATH_MAX = 103 if sys.platform == "darwin" else 107
+
+
+def _fits_ray_sockets(path: Path) -> bool:
+    return len(str(path).encode()) + len(_RAY_SOCKET_TAIL) <= _SOCKET_PATH_MAX
+
+
+def ray_tmpdir(workdir: str | os.PathLike) -> Path:
+    """The Ray temporary directory of a run in ``workdir`` (created; Ray adds ``ray/session_*`` below it).
+
+    ``workdir/ray_tmp`` when Ray's socket paths below it fit the unix-socket limit. A deeper workdir gets a short
+    directory of its own in the system temp dir instead, named by the user id and a hash of ``workdir`` (mode 0700,
+    so another user cannot share or pre-create it), and ``workdir/ray_tmp`` becomes a link to it.
+
+    Raises:
+        PermissionError: The short directory exists but is not a directory owned by this user.
+        ValueError: No candidate directory is short enough.
+    """
+    workdir = Path(workdir).resolve()
+    own = workdir / RAY_TMPDIR_NAME
+    if _fits_ray_sockets(own):
+        if own.is_symlink():  # left by an earlier run when the path was handled as too long
+            own.unlink()
+        own.mkdir(parents=True, exist_ok=True)
+        return own
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    name = f"vs-ray-{uid}-{hashlib.sha256(str(workdir).encode()).hexdigest()[:12]}"
+    for root in dict.fromkeys((Path(tempfile.gettempdir()), Path("/tmp"))):
+        short = root / name
+        if not _fits_ray_sockets(short):
+            continue
+        short.mkdir(mode=0o700, exist_ok=True)
+        info = os.lstat(short)
+        if not stat.S_ISDIR(info.st_mode) or (hasattr(os, "getuid") and info.st_uid != uid):
+            raise PermissionError(
+                f"Ray temporary directory {short} is not a directory owned by user {uid}; expected one this user "
+                "created (remove it or run from a shorter --workdir)"
+            )
+        workdir.mkdir(parents=True, exist_ok=True)
+        if own.is_symlink() or not own.exists():
+            own.unlink(missing_ok=True)
+            own.symlink_to(short, target_is_directory=True)
+        return short
+    raise ValueError(
+        f"no Ray temporary directory short enough for unix sockets ({_SOCKET_PATH_MAX} bytes with "
+        f"{len(_RAY_SOCKET_TAIL)} for Ray's session path) under {workdir} or the system temp dir"
+    )
+
+
+def run_main_ppo(
+    overrides: Sequence[str],
+    workdir: str | os.PathLike,
+    *,
+    timeout_s: float | None = None,
+    poll_interval_s: float | None = 0.1,
+    log_name: str = "main_ppo.log",
+    ray_start_retries: int = 2,
+) -> subprocess.CompletedProcess:
+    """Run ``python -m verl.trainer.main_ppo`` with ``overrides`` in ``workdir`` (log in ``workdir/log_name``).
+
+    Ray gives its local node a fixed 30 s to start; on an overloaded host that fails before verl runs, so such a
+    start-up failure (and only that) is retried up to ``ray_start_retries`` times. Ray's temporary files (sessions,
+    sockets, logs) go to the run's own :func:`ray_tmpdir`.
+    """
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = cpu_env(workdir / "metrics.jsonl", poll_interval_s)
+    env["RAY_TMPDIR"] = str(ray_tmpdir(workdir))
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
+    for attempt in range(ray_start_retries + 1):
+        with open(workdir / log_name, "w") as log:
+            proc = subprocess.run(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+        if proc.returncode == 0 or _RAY_START_FAILURE not in (workdir / log_name).read_text(errors="ignore"):
+            return proc
+        print(f"Ray node start-up timed out (attempt {attempt + 1}); retrying", file=sys.stderr)
+    return proc

@@ -1,0 +1,133 @@
+"""The lab's presets: which (variant, N) runs a sweep makes, with how many seeds and steps, at what scale.
+
+A :class:`Preset` is checked when it is made (known variants and N, distinct runs and seeds, seeds numpy accepts, a
+known precision); :data:`PRESETS` are the shipped ones (``verl-stable lab --list``). :class:`RunSpec` names one run
+(``<variant>__N<n>__s<seed>``, its directory under ``runs/``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from verl_stable.lab import variants as V
+from verl_stable.lab.coldstart import ColdStartConfig
+
+MAX_SEED = 2**32 - 1  # numpy's seed range; verl seeds its data shuffling with data.seed
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training run: a variant at staleness N with a seed."""
+
+    variant: str
+    staleness: int
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        """``<variant>__N<n>__s<seed>``: the run's directory under ``runs/`` and its ``--only`` name."""
+        return f"{self.variant}__N{self.staleness}__s{self.seed}"
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A sweep: which runs, how long, at what scale.
+
+    Attributes:
+        name: preset id.
+        runs: (variant, N) pairs; each is run once per seed.
+        steps: RL steps per run (``trainer.total_training_steps``).
+        seeds: seeds per (variant, N).
+        mini_batch_prompts: prompts per mini-batch; a step has N mini-batches.
+        group_size: samples per prompt.
+        task: toy task of :mod:`verl_stable.cpu.tasks`.
+        precision: rollout precision of the ``hf`` backend (the training engine is fp32).
+        max_response_length: response token budget (answers are one digit + end of turn).
+        coldstart: cold-start settings.
+    """
+
+    name: str
+    runs: tuple[tuple[str, int], ...]
+    steps: int
+    seeds: tuple[int, ...] = (0,)
+    mini_batch_prompts: int = 4
+    group_size: int = 4
+    task: str = "max"
+    precision: str = "fp8"
+    max_response_length: int = 4
+    coldstart: ColdStartConfig = field(default_factory=ColdStartConfig)
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or not self.seeds or not self.runs:
+            raise ValueError(f"preset {self.name!r} needs steps >= 1, a seed and a run")
+        bad_seeds = [s for s in self.seeds if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= MAX_SEED]
+        if bad_seeds:
+            raise ValueError(f"preset {self.name!r}: seeds must be integers in [0, {MAX_SEED}], got {bad_seeds}")
+        # two runs of one name would share (and clobber) one run directory
+        if len(set(self.seeds)) != len(self.seeds) or len(set(self.runs)) != len(self.runs):
+            raise ValueError(
+                f"preset {self.name!r}: seeds and (variant, N) runs must be distinct, got seeds={list(self.seeds)} "
+                f"runs={list(self.runs)}"
+            )
+        for variant, n in self.runs:
+            V.get_variant(variant)
+            if n not in V.STALENESS_CHOICES:
+                raise ValueError(f"preset {self.name!r}: N must be one of {V.STALENESS_CHOICES}, got {n}")
+        if self.precision not in V.PRECISIONS:
+            raise ValueError(f"precision must be one of {V.PRECISIONS}, got {self.precision!r}")
+
+    def run_specs(self) -> list[RunSpec]:
+        return [RunSpec(v, n, s) for s in self.seeds for v, n in self.runs]
+
+    def select(self, only: Sequence[str] | None = None) -> list[RunSpec]:
+        """The runs whose name starts with one of the ``only`` prefixes (every run when ``only`` is empty or None).
+
+        Raises:
+            ValueError: A prefix that names no run of this preset; the message lists the preset's run names.
+        """
+        specs = self.run_specs()
+        if not only:
+            return specs
+        unmatched = [p for p in only if not any(s.name.startswith(p) for s in specs)]
+        if unmatched:
+            raise ValueError(
+                f"--only {unmatched} names no run of preset {self.name!r}; expected a prefix of one of "
+                f"{[s.name for s in specs]}"
+            )
+        return [s for s in specs if any(s.name.startswith(p) for p in only)]
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        # <= 10 min on 2 cores (docs/lab.md): on-policy IS vs no IS; at N = 4 staleness, routing replay R3, VESPO
+        Preset(
+            "default",
+            runs=(
+                ("reinforce_no_is", 1),
+                ("minirl", 1),
+                ("minirl", 4),
+                ("minirl_r3", 4),
+                ("vespo", 4),
+            ),
+            steps=8,
+        ),
+        # R2 vs R3 against MiniRL without replay at two staleness levels (9 min 11 s on 2 cores, cold start cached)
+        Preset(
+            "replay",
+            runs=tuple((v, n) for n in (2, 4) for v in ("minirl", "minirl_r2", "minirl_r3")),
+            steps=8,
+        ),
+        Preset(
+            "full",
+            runs=tuple((v, n) for n in V.STALENESS_CHOICES for v in V.VARIANTS),
+            steps=40,
+            seeds=(0, 1),
+            mini_batch_prompts=8,
+            group_size=8,
+        ),
+        # the CI smoke test: one R3 run of two steps
+        Preset("mini", runs=(("minirl_r3", 2),), steps=2, mini_batch_prompts=2, group_size=4),
+    )
+}

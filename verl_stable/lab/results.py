@@ -1,0 +1,111 @@
+"""The lab's results on disk: every run's per-step rows in ``out/metrics.jsonl``, merged without losing any.
+
+Each row is one training step of one run, verl's metrics with the run's identity in front (:func:`tag_rows`: variant,
+staleness, seed). :func:`merge_rows` writes the rows of a sweep into the file atomically (a temporary file renamed over
+it): a run measured again replaces its own rows, every other run's rows stay, and a reader or a crash never sees a
+truncated file. :func:`load_rows` reads it back and names the line that is not a JSON object; :func:`coldstart_line`
+summarises the cold start recorded beside them (``out/coldstart.json``) for the report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from verl_stable.lab.presets import RunSpec
+
+
+@dataclass
+class RunOutcome:
+    """What a run produced."""
+
+    spec: RunSpec
+    rows: list[dict]
+    returncode: int
+    skipped: bool
+    log: Path
+
+
+def tag_rows(rows: list[dict], spec: RunSpec) -> list[dict]:
+    """verl's per-step rows with the run's identity in front."""
+    return [{"variant": spec.variant, "staleness": spec.staleness, "seed": spec.seed, **r} for r in rows]
+
+
+def _run_key(row: Any) -> tuple | None:
+    if not isinstance(row, dict):
+        return None
+    return (row.get("variant"), row.get("staleness"), row.get("seed"))
+
+
+def merge_rows(path: str | Path, outcomes: Sequence[RunOutcome]) -> list[dict]:
+    """Merge the outcomes' rows into the JSON-lines file ``path`` atomically; returns the rows now in it.
+
+    A run with new rows replaces that run's old rows (same variant, N and seed); a run that produced no rows leaves
+    its old rows in place, and so do all runs not in ``outcomes``. The merged rows go to a temporary file in the same
+    directory that is then renamed over ``path``, so a reader (or a crash) never sees a truncated file.
+
+    Raises:
+        ValueError: ``path`` exists but is not JSON lines (it is left untouched).
+    """
+    path = Path(path)
+    old = load_rows(path.parent, path.name)
+    fresh = [o for o in outcomes if o.rows]
+    replaced = {(o.spec.variant, o.spec.staleness, o.spec.seed) for o in fresh}
+    merged = [r for r in old if _run_key(r) not in replaced] + [r for o in fresh for r in o.rows]
+    if not fresh and path.exists():
+        return merged  # nothing new: the file stays byte for byte as it is
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            for row in merged:
+                f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return merged
+
+
+def load_rows(out: str | Path, name: str = "metrics.jsonl") -> list[dict]:
+    """The sweep's rows from ``out/metrics.jsonl`` (empty if absent).
+
+    Raises:
+        ValueError: A line that is not a JSON object; the message names the file and the line.
+    """
+    path = Path(out) / name
+    if not path.is_file():
+        return []
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} line {i} is not JSON ({exc.msg}); expected one JSON object per line") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path} line {i} is a {type(row).__name__}; expected one JSON object per line")
+        rows.append(row)
+    return rows
+
+
+def coldstart_line(out: str | Path) -> str:
+    """One line on the cold start recorded under ``out`` (for the report header)."""
+    path = Path(out) / "coldstart.json"
+    if not path.exists():
+        return "unknown"
+    try:
+        info = json.loads(path.read_text())
+        return (
+            f"{info['steps']} supervised steps, expected exact-match reward {info['initial_expected_reward']:.3f} -> "
+            f"{info['expected_reward']:.3f}" + (" (cached)" if info.get("cached") else "")
+        )
+    except (ValueError, KeyError, TypeError, AttributeError):  # a hand-edited file must not cost the report
+        return f"unknown ({path} is unreadable)"
