@@ -7,6 +7,7 @@ import importlib.metadata as md
 import json
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -127,3 +128,37 @@ def test_weight_reload_serves_exactly_the_checkpoint_and_needs_the_kernel_rebuil
     assert fixed["rows_equal"] == 1.0 and fixed["logprob_max_abs_diff"] < 1e-5
     broken = _probe("--family", "qwen3_moe", "--reload", "--no-kernel-reset")
     assert broken["rows_equal"] < 0.97 and broken["logprob_max_abs_diff"] > 1e-3
+
+
+def test_vllm_recipe_matches_the_launcher(tmp_path):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    recipe_dir = Path(__file__).resolve().parents[2] / "recipes" / "cpu"
+    assets = launch.asset_paths(tmp_path)
+    paths = [
+        f"data.train_files={assets.train_file}",
+        f"data.val_files={assets.val_file}",
+        f"actor_rollout_ref.model.path={assets.model_dir}",
+    ]
+    with initialize_config_dir(config_dir=str(recipe_dir), version_base=None):
+        recipe = compose(config_name="grpo_tiny_moe_vllm", overrides=paths)
+    import verl.trainer.config as verl_config
+
+    with initialize_config_dir(config_dir=str(Path(verl_config.__file__).parent), version_base=None):
+        launcher = compose(config_name="ppo_trainer", overrides=launch.cpu_overrides(assets, engine="vllm"))
+    for key in (
+        "trainer.device",
+        "actor_rollout_ref.rollout.name",
+        "actor_rollout_ref.rollout.enable_sleep_mode",
+        "actor_rollout_ref.rollout.free_cache_engine",
+        "actor_rollout_ref.rollout.enforce_eager",
+        "actor_rollout_ref.actor.strategy",
+        "actor_rollout_ref.model.use_remove_padding",
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units",
+        "data.train_batch_size",
+        "algorithm.adv_estimator",
+    ):
+        assert OmegaConf.select(recipe, key) == OmegaConf.select(launcher, key), key
+    assert recipe.actor_rollout_ref.rollout.name == "vllm"
+    vllm_rollout.check_rollout_config(OmegaConf.to_container(recipe.actor_rollout_ref.rollout))
