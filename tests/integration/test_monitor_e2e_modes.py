@@ -27,7 +27,10 @@ def test_n2_r2_recipe_logs_staleness_and_r2_drift_per_update_mini_step(tmp_path)
 
     assets = ensure_assets(tmp_path / "assets", AssetSpec(task="copy"))
     path = R.recipe_path("fsdp", "minirl_n2_r2")
-    overrides = [*R.cpu_overrides("minirl_n2_r2", assets, steps=2), f"trainer.default_local_dir={tmp_path / 'ckpt'}"]
+    overrides = [
+        *launch.regime_overrides("minirl_n2_r2", assets, steps=2),
+        f"trainer.default_local_dir={tmp_path / 'ckpt'}",
+    ]
     workdir = tmp_path / "run"
     proc = launch.run_main_ppo([f"--config-path={path.parent}", f"--config-name={path.stem}", *overrides], workdir)
     log = (workdir / "main_ppo.log").read_text()

@@ -32,6 +32,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from verl_stable.cpu import contracts
 from verl_stable.cpu.contracts import Contract, ContractError, ContractResult
 
 BACKEND = "vllm"
@@ -294,12 +295,7 @@ def check_contracts() -> list[ContractResult]:
     with contextlib.ExitStack() as stack:
         if not alias_installed():
             stack.enter_context(vllm_distribution_alias())
-        for contract in CONTRACTS:
-            try:
-                results.append(ContractResult(contract.name, True, contract.check()))
-            except Exception as exc:  # noqa: BLE001 - report every failure by name
-                detail = f"{contract.description}: {type(exc).__name__}: {exc}"
-                results.append(ContractResult(contract.name, False, detail))
+        results += contracts.check(CONTRACTS)
     return results
 
 
