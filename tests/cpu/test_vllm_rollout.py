@@ -162,3 +162,19 @@ def test_vllm_recipe_matches_the_launcher(tmp_path):
         assert OmegaConf.select(recipe, key) == OmegaConf.select(launcher, key), key
     assert recipe.actor_rollout_ref.rollout.name == "vllm"
     vllm_rollout.check_rollout_config(OmegaConf.to_container(recipe.actor_rollout_ref.rollout))
+
+
+@pytest.mark.parametrize(
+    ("rows_equal", "diff", "verdict"), [(1.0, 4.8e-7, "[ok ] rows equal"), (0.83, 0.047, "[FAIL] rows equal")]
+)
+def test_doctor_vllm_probe_verdict(monkeypatch, rows_equal, diff, verdict):
+    """The verdict doctor draws from the probe's result line (the probe itself is run by the tests above)."""
+    from verl_stable import cli
+
+    result = {"family": "qwen3_moe", "rows": 640, "rows_equal": rows_equal, "logprob_max_abs_diff": diff}
+    fake = SimpleNamespace(returncode=0, stdout="INFO log line\n" + json.dumps(result) + "\nlate log\n", stderr="")
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: fake if "verl_stable.cpu.vllm_probe" in cmd else None)
+    lines: list[str] = []
+    problems = cli._check_vllm_routing(lines.append)
+    assert any(verdict in line for line in lines), lines
+    assert bool(problems) == (rows_equal < 1.0)
