@@ -178,3 +178,28 @@ def test_doctor_vllm_probe_verdict(monkeypatch, rows_equal, diff, verdict):
     problems = cli._check_vllm_routing(lines.append)
     assert any(verdict in line for line in lines), lines
     assert bool(problems) == (rows_equal < 1.0)
+
+
+def test_lab_runs_the_same_variants_on_vllm(tmp_path):
+    """`verl-stable lab --engine vllm`: a variant's overrides differ from the hf run's only in the rollout engine."""
+    from dataclasses import replace
+
+    from verl_stable import recipes
+    from verl_stable.lab import sweep
+    from verl_stable.lab import variants as V
+
+    assets = launch.asset_paths(tmp_path)
+    geometry = dict(staleness=4, steps=2, mini_batch_prompts=2, group_size=4)
+    hf = V.run_overrides("minirl_r3", assets, **geometry)
+    vllm = V.run_overrides("minirl_r3", assets, precision="bf16", engine="vllm", **geometry)
+    engine_keys = ("rollout.name", "engine_kwargs.hf", "enable_sleep_mode", "enforce_eager", "free_cache_engine")
+    assert [o for o in hf if not any(k in o for k in engine_keys)] == [
+        o for o in vllm if not any(k in o for k in (*engine_keys, "rollout.dtype"))
+    ]
+    assert set(vllm_rollout.RUNTIME_OVERRIDES) | {"actor_rollout_ref.rollout.dtype=bfloat16"} <= set(vllm)
+    # verl's own validation and dataclass conversion take the run's config (composed on its recipe, as the lab runs it)
+    cfg = recipes.compose_recipe("fsdp", "minirl_onpolicy", [a for a in vllm if not a.startswith("--")])
+    assert recipes.verl_configs(cfg, validate=True).rollout.name == "vllm"
+    with pytest.raises(ValueError, match="serves precision"):
+        replace(sweep.PRESETS["mini"], engine="vllm")  # the preset's fp8 is an hf-only precision
+    assert replace(sweep.PRESETS["mini"], engine="vllm", precision="fp32").engine == "vllm"

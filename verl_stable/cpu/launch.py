@@ -194,6 +194,8 @@ def regime_overrides(
     mini_batch_prompts: int = CPU_MINI_BATCH_PROMPTS,
     group_size: int = CPU_GROUP_SIZE,
     backend: str = "fsdp",
+    engine: str = "hf",
+    precision: str | None = None,
 ) -> list[str]:
     """Overrides that run a regime's recipe on the CPU runtime with the tiny assets, keeping its N, loss and replay.
 
@@ -208,9 +210,11 @@ def regime_overrides(
         mini_batch_prompts: prompts per mini-batch (the paper's 64, scaled down).
         group_size: samples per prompt (the paper's 16, scaled down).
         backend: only ``fsdp`` runs on CPU.
+        engine: rollout engine (``hf`` or ``vllm``, see :func:`cpu_overrides`); its settings win over the recipe's.
+        precision: rollout precision of ``engine`` (None: the engine's default).
 
     Raises:
-        ValueError: A backend other than ``fsdp``.
+        ValueError: A backend other than ``fsdp``, or an engine / precision :func:`engine_overrides` refuses.
     """
     if backend != "fsdp":
         raise ValueError(f"only the fsdp recipes run on the CPU runtime, got backend {backend!r}")
@@ -224,7 +228,11 @@ def regime_overrides(
         group_size=group_size,
         rollout_is="token",
         routing_capture=regime.rollout_routing_export,
+        engine=engine,
+        precision=precision,
     )
+    # the recipes name a GPU engine (vllm) and its settings: on CPU the engine's own overrides replace them
+    forced = {item.split("=", 1)[0].lstrip("+~") for item in engine_overrides(engine, precision, True)}
     geometry = {
         "data.train_batch_size": train,
         "actor_rollout_ref.actor.ppo_mini_batch_size": mini_batch_prompts,
@@ -233,12 +241,11 @@ def regime_overrides(
         "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": False,
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": mini_batch_prompts * group_size,
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": mini_batch_prompts * group_size,
-        "actor_rollout_ref.rollout.name": "hf",
     }
     kept = []
     for item in runtime:
         key = item.split("=", 1)[0].lstrip("+~")
-        if key not in own and key not in geometry:
+        if key in forced or (key not in own and key not in geometry):
             kept.append(item)
     return kept + [f"{k}={v}" for k, v in geometry.items()]
 

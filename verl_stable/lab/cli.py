@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from verl_stable.cpu.launch import ENGINES
 from verl_stable.lab.presets import MAX_SEED
 from verl_stable.lab.variants import PRECISIONS
 
@@ -86,7 +87,8 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
     parser.add_argument("--out", default="./verl_stable_lab", help="output directory (runs, cache, report)")
     parser.add_argument("--steps", type=_positive_int, help="override the preset's RL steps per run")
     parser.add_argument("--seeds", type=_seed, nargs="+", help="override the preset's seeds (distinct, in [0, 2**32))")
-    parser.add_argument("--precision", choices=PRECISIONS, help="rollout precision")
+    parser.add_argument("--engine", choices=ENGINES, help="rollout engine (default hf; vllm: vLLM's CPU build)")
+    parser.add_argument("--precision", choices=PRECISIONS, help="rollout precision (hf default fp8; vllm: bf16, fp32)")
     parser.add_argument("--only", nargs="+", help="run names starting with these (e.g. minirl_r3__N4)")
     parser.add_argument("--timeout", type=_seconds, help="per-run wall-clock limit in seconds")
     parser.add_argument(
@@ -99,7 +101,13 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
         _list(out)
         return 0
     preset = sweep.PRESETS[args.preset]
-    changes = {"steps": args.steps, "seeds": tuple(args.seeds) if args.seeds else None, "precision": args.precision}
+    changes = {
+        "steps": args.steps,
+        "seeds": tuple(args.seeds) if args.seeds else None,
+        "engine": args.engine,
+        # vLLM's CPU build serves fp32 / bf16: an engine switch without --precision takes bf16 (the hf default is fp8)
+        "precision": args.precision or ("bf16" if args.engine == "vllm" else None),
+    }
     try:
         preset = replace(preset, **{k: v for k, v in changes.items() if v is not None})
         specs = preset.select(args.only)
@@ -149,7 +157,11 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
     header = {
         "preset": preset.name,
         "task": f"{preset.task} (exact-match binary reward)",
-        "rollout": f"hf backend, {preset.precision} weights; training engine fp32",
+        "rollout": (
+            f"hf backend, {preset.precision} weights; training engine fp32"
+            if preset.engine == "hf"
+            else f"verl's vLLM rollout (vLLM CPU build), {preset.precision}; training engine fp32"
+        ),
         "geometry": f"{preset.mini_batch_prompts} prompts x {preset.group_size} samples per mini-batch, N per step",
         "steps per run": str(preset.steps),
         "cold start": sweep.coldstart_line(out_dir),

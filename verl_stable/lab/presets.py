@@ -42,9 +42,11 @@ class Preset:
         mini_batch_prompts: prompts per mini-batch; a step has N mini-batches.
         group_size: samples per prompt.
         task: toy task of :mod:`verl_stable.cpu.tasks`.
-        precision: rollout precision of the ``hf`` backend (the training engine is fp32).
+        precision: rollout precision (the training engine is fp32): fp8 / bf16 / fp16 / fp32 weights for the ``hf``
+            backend, fp32 / bf16 for ``vllm``.
         max_response_length: response token budget (answers are one digit + end of turn).
         coldstart: cold-start settings.
+        engine: rollout engine, ``hf`` (the project's backend) or ``vllm`` (verl's vLLM rollout on vLLM's CPU build).
     """
 
     name: str
@@ -57,6 +59,7 @@ class Preset:
     precision: str = "fp8"
     max_response_length: int = 4
     coldstart: ColdStartConfig = field(default_factory=ColdStartConfig)
+    engine: str = "hf"
 
     def __post_init__(self) -> None:
         if self.steps < 1 or not self.seeds or not self.runs:
@@ -76,6 +79,9 @@ class Preset:
                 raise ValueError(f"preset {self.name!r}: N must be one of {V.STALENESS_CHOICES}, got {n}")
         if self.precision not in V.PRECISIONS:
             raise ValueError(f"precision must be one of {V.PRECISIONS}, got {self.precision!r}")
+        from verl_stable.cpu import launch
+
+        launch.engine_overrides(self.engine, self.precision, True)  # ValueError: unknown engine, precision it lacks
 
     def run_specs(self) -> list[RunSpec]:
         return [RunSpec(v, n, s) for s in self.seeds for v, n in self.runs]

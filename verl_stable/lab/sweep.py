@@ -42,7 +42,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from verl_stable.cpu.assets import Assets, AssetSpec, ensure_assets
+from verl_stable.cpu.assets import Assets, ensure_assets
 from verl_stable.lab import variants as V
 from verl_stable.lab.coldstart import ColdStartResult, cold_start
 from verl_stable.lab.presets import MAX_SEED, PRESETS, Preset, RunSpec
@@ -162,8 +162,11 @@ def run_one(
 
 def prepare(out: Path, preset: Preset) -> tuple[Assets, ColdStartResult]:
     """Tiny assets for the preset's task and the cold-started model (both cached under ``out``)."""
-    spec = AssetSpec(task=preset.task)
-    assets = ensure_assets(out / "assets", spec)
+    from verl_stable.cpu.launch import asset_spec
+
+    spec = asset_spec(preset.engine, preset.task)
+    # each engine's model has its own shape (vLLM's CPU attention needs head size 32): its own assets and cold start
+    assets = ensure_assets(out / ("assets" if preset.engine == "hf" else f"assets_{preset.engine}"), spec)
     cs = cold_start(assets, spec, out / "coldstart", preset.coldstart)
     return replace(assets, model_dir=cs.model_dir), cs
 
@@ -266,6 +269,7 @@ def run_sweep(
             mini_batch_prompts=preset.mini_batch_prompts,
             group_size=preset.group_size,
             precision=preset.precision,
+            engine=preset.engine,
             seed=spec.seed,
             max_response_length=preset.max_response_length,
             workdir=run_dir,

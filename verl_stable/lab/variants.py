@@ -155,15 +155,17 @@ def run_overrides(
     max_response_length: int = 4,
     reward_path: str | Path | None = None,
     workdir: str | Path | None = None,
+    engine: str = "hf",
 ) -> list[str]:
     """The full ``main_ppo`` argument list of one lab run: recipe, CPU runtime, geometry, common and variant switches.
 
     The staleness is set by ``data.train_batch_size = N * mini_batch_prompts`` with ``ppo_epochs = 1`` (the recipes'
-    definition of N). The rollout runs the ``hf`` backend at ``precision`` (fp8 weights by default: the "inference
-    engine"); the actor trains in fp32.
+    definition of N). The rollout runs ``engine`` at ``precision``: the ``hf`` backend with fp8 weights by default (the
+    "inference engine"), or verl's own vLLM rollout on vLLM's CPU build (``engine="vllm"``, fp32 or bf16); the actor
+    trains in fp32.
 
     Raises:
-        ValueError: Unknown variant, N not in {1, 2, 4, 8}, or an unknown precision.
+        ValueError: Unknown variant, N not in {1, 2, 4, 8}, an unknown precision, or one the engine does not offer.
     """
     variant = get_variant(variant) if isinstance(variant, str) else variant
     if staleness not in STALENESS_CHOICES:
@@ -173,7 +175,13 @@ def run_overrides(
     path = recipes.recipe_path("fsdp", variant.recipe)
     args = [f"--config-path={path.parent}", f"--config-name={path.stem}"]
     base = launch.regime_overrides(
-        variant.recipe, assets, steps=steps, mini_batch_prompts=mini_batch_prompts, group_size=group_size
+        variant.recipe,
+        assets,
+        steps=steps,
+        mini_batch_prompts=mini_batch_prompts,
+        group_size=group_size,
+        engine=engine,
+        precision=None if engine == "hf" else precision,
     )
     reward = str(reward_path or Path(__file__).with_name("reward.py"))
     lab = {
@@ -190,4 +198,5 @@ def run_overrides(
     if workdir is not None:
         lab["trainer.default_local_dir"] = str(Path(workdir) / "checkpoints")
     kept = [item for item in base if override_key(item) not in lab and override_key(item) != override_key(PRECISION)]
-    return args + kept + [f"{k}={format_value(v)}" for k, v in lab.items()] + [f"{PRECISION}={precision}"]
+    engine_precision = [f"{PRECISION}={precision}"] if engine == "hf" else []  # vllm: rollout.dtype, set in base
+    return args + kept + [f"{k}={format_value(v)}" for k, v in lab.items()] + engine_precision
