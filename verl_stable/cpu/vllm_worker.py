@@ -2,7 +2,7 @@
 
 vLLM imports this module inside its worker process (verl names the class through the server's
 ``worker_extension_cls``, see :mod:`verl_stable.cpu.vllm_rollout`), so importing it imports vLLM and verl's vLLM
-utilities; nothing else in verl-stable imports it.
+utilities; only :mod:`verl_stable.cpu.vllm_probe` imports it outside vLLM (its reload check runs the same code).
 
 Why the extension: vLLM's CPU build repacks linear and MoE expert weights into kernel layouts once after loading, so
 the parameters of a running engine no longer carry the ``weight_loader`` that verl's ``model.load_weights`` relies on
