@@ -114,7 +114,7 @@ def test_config_overrides_disables_and_adds_rules():
             }
         }
     )
-    assert [r.name for r in guard.rules] == ["entropy_collapse", "f5"]
+    assert [r.name for r in guard.rules] == ["entropy_collapse", "replay_coverage", "f5"]
     assert guard.rules[0] == Rule("entropy_collapse", "below_and_falling", DEFAULT_RULES[0].metrics, 0.5, 3, "warn")
     assert guard.observe(1, {"stable/train_inf/kl_k3": 9.0, "stable/train_inf/extreme_frac_tau5": 0.02})[0].rule == "f5"
     assert Guard.from_config(None).rules == DEFAULT_RULES
@@ -169,4 +169,5 @@ def test_guard_metrics_flag_the_rules_that_fired():
         "stable/guard/entropy_collapse": 0.0,
         "stable/guard/train_inference_kl": 1.0,
         "stable/guard/non_finite": 0.0,
+        "stable/guard/replay_coverage": 0.0,
     }

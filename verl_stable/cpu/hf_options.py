@@ -9,6 +9,11 @@ Options: ``precision`` (fp32 | bf16 | fp16 | fp8; default from ``rollout.dtype``
 deliberate-drift control), ``num_threads`` (torch threads in the server, default: torch's), ``max_batch_size``
 (default 64: concurrent requests with prompts of one length are sampled as one batch, see
 :mod:`verl_stable.cpu.batching`; 1 samples one request at a time).
+
+Fault injection, for tests only: ``corrupt_routing_every`` (default 0, off) makes every k-th request's exported
+routing malformed (expert ids out of range, see :func:`verl_stable.cpu.hf_routing.corrupt_routing_payload`), as
+an engine that silently loses routing would; the rollout boundary then refuses it, or skips that sample's routing
+under ``+verl_stable.routing.on_invalid=skip_sample``, and replay falls back to the model's own routing there.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class HFOptions:
     sync_weights: bool = True
     num_threads: int | None = None
     max_batch_size: int = 64
+    corrupt_routing_every: int = 0  # FAULT INJECTION for tests: every k-th request returns malformed routing
 
 
 def resolve_options(config: Any) -> HFOptions:
@@ -65,7 +71,19 @@ def resolve_options(config: Any) -> HFOptions:
     max_batch = int(raw.get("max_batch_size", HFOptions.max_batch_size))
     if max_batch < 1:
         raise ValueError(f"rollout.engine_kwargs.hf.max_batch_size must be >= 1, got {max_batch}")
-    return HFOptions(precision, bool(raw.get("sync_weights", True)), int(threads) if threads else None, max_batch)
+    corrupt_every = raw.get("corrupt_routing_every", HFOptions.corrupt_routing_every)
+    if isinstance(corrupt_every, bool) or not isinstance(corrupt_every, int) or corrupt_every < 0:
+        raise ValueError(
+            "rollout.engine_kwargs.hf.corrupt_routing_every (fault injection) must be an int >= 0 (0: off), got "
+            f"{corrupt_every!r}"
+        )
+    return HFOptions(
+        precision,
+        bool(raw.get("sync_weights", True)),
+        int(threads) if threads else None,
+        max_batch,
+        corrupt_routing_every=corrupt_every,
+    )
 
 
 def _get(obj: Any, key: str, default: Any = None) -> Any:

@@ -4,11 +4,18 @@ With ``rollout.enable_rollout_routing_replay`` the server records its model's ro
 as ``TokenOutput.routed_experts`` (:func:`routed_experts_array`: [rows, decoder layers, top_k], uint8 or uint16).
 :func:`routing_exporter` binds a model once, through :mod:`verl_stable.routing`, and picks the recorder: the lean
 :class:`RouterIdsRecorder` for router-output families, the general capture for the others.
+
+Fault injection (tests only): with ``corrupt_every=k`` (``engine_kwargs.hf.corrupt_routing_every``, see
+:mod:`verl_stable.cpu.hf_options`) every k-th exported request carries a malformed payload
+(:func:`corrupt_routing_payload`), so the rollout boundary's refusal, ``on_invalid=skip_sample`` and the replay
+coverage metrics can be exercised in a real run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import threading
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -44,6 +51,25 @@ def routed_experts_array(
     for ordinal, layer in enumerate(moe_layer_to_decoder_layer):
         out[:, layer, :] = trace[:, ordinal, :].cpu().numpy().astype(dtype)
     return out
+
+
+def corrupt_routing_payload(array: Any, moe_layer_to_decoder_layer: list[int], num_experts: int) -> Any:
+    """FAULT INJECTION: a copy of an exported routing array whose every MoE-layer id is ``num_experts``.
+
+    Out of range for the model, so the rollout boundary refuses the sample (``ExpertIdRangeError``), as it would an
+    engine's garbage; the row count and dense layers are kept, so nothing else about the payload is wrong. The copy
+    is uint16 (an id of 256 does not fit the uint8 that up to 256 experts travel in).
+
+    Args:
+        array: ``[rows, decoder layers, top_k]`` as :func:`routed_experts_array` returns it.
+        moe_layer_to_decoder_layer: absolute decoder layer of each MoE-layer ordinal.
+        num_experts: routed experts per layer.
+    """
+    import numpy as np
+
+    bad = np.array(array, dtype=np.uint16, copy=True)
+    bad[:, list(moe_layer_to_decoder_layer), :] = num_experts
+    return bad
 
 
 class RouterIdsRecorder:
@@ -111,7 +137,7 @@ class RoutingExporter(NamedTuple):
     batched: bool
 
 
-def routing_exporter(model: torch.nn.Module) -> RoutingExporter:
+def routing_exporter(model: torch.nn.Module, *, corrupt_every: int = 0) -> RoutingExporter:
     """Return a :class:`RoutingExporter` of ``model``'s routing via :mod:`verl_stable.routing`.
 
     The model is bound once, here. Router-output families (qwen3_moe, mixtral, ...) get :class:`RouterIdsRecorder`,
@@ -119,10 +145,18 @@ def routing_exporter(model: torch.nn.Module) -> RoutingExporter:
     requests; the others (an instance-level routing method) the general :func:`verl_stable.routing.capture`, one
     request per recording.
 
+    Args:
+        model: the served model.
+        corrupt_every: FAULT INJECTION for tests: ``k > 0`` makes the k-th, 2k-th, ... ``to_array`` call (one per
+            request) return :func:`corrupt_routing_payload`; 0 (default) exports faithfully.
+
     Raises:
         verl_stable.routing.UnsupportedModelError: a model family the routing package cannot route (a ValueError
             naming the model type and the supported ones).
+        ValueError: a negative ``corrupt_every``.
     """
+    if isinstance(corrupt_every, bool) or not isinstance(corrupt_every, int) or corrupt_every < 0:
+        raise ValueError(f"corrupt_every must be an int >= 0, got {corrupt_every!r}")
     from verl_stable.routing import bind_model, capture
     from verl_stable.routing.families import ROUTER_OUTPUT
 
@@ -137,10 +171,19 @@ def routing_exporter(model: torch.nn.Module) -> RoutingExporter:
     else:
         capture_factory = capture
 
+    requests = itertools.count(1)
+    lock = threading.Lock()  # the server exports from its batching threads
+
     def to_array(recorder: Any, rows: Any = None) -> Any:
         ids = recorder.ids() if isinstance(recorder, RouterIdsRecorder) else recorder.trace.to_tensor()
         if rows is not None:
             ids = ids[torch.as_tensor(rows, dtype=torch.long)]
-        return routed_experts_array(ids, list(recorder.layers), layout.num_hidden_layers, layout.num_experts)
+        array = routed_experts_array(ids, list(recorder.layers), layout.num_hidden_layers, layout.num_experts)
+        if corrupt_every:
+            with lock:
+                request = next(requests)
+            if request % corrupt_every == 0:
+                return corrupt_routing_payload(array, list(recorder.layers), layout.num_experts)
+        return array
 
     return RoutingExporter(capture_factory, to_array, routing.spec.site_kind == ROUTER_OUTPUT)

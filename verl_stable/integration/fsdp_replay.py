@@ -39,12 +39,19 @@ to ``stable/routing/...`` and add one value per update mini-step):
   0 in the first mini-step of an on-policy step (same weights as pi_old), growing as the update moves the policy.
 * ``stable/routing/compared_rows``, ``replayed_rows``, ``missing_rows``, ``padding_rows``, ``recorded_rows``: row
   counts.
+* ``stable/routing/coverage/<count>`` (replaying passes only: R3, and R2's update): the replay coverage of the
+  micro-batch in (token, MoE layer) rows, :data:`~verl_stable.monitor.routing_metrics.COVERAGE_COUNTS` (classes
+  in :mod:`verl_stable.integration.replay_pass`), counted on the whole micro-batch before any Ulysses slicing.
 
 Aggregation. ``forward_step`` hands every ``stable/...`` metric (ours and the staleness metrics of the
 ``minirl`` / ``vespo`` losses) to verl as a :class:`verl.utils.metric.Metric` (see
 :func:`verl_stable.integration.losses.relabel_stable_metrics`): verl then reduces them to one value per update
 mini-step (the unweighted mean over micro-batches and data-parallel ranks; ``*_max`` / ``*_min`` keys the true
-extreme), where plain numbers would only be concatenated across mini-steps.
+extreme), where plain numbers would only be concatenated across mini-steps. The coverage counts are
+``Metric(SUM)`` scaled by the data-parallel size instead: verl's ``aggregate_dp`` averages a SUM metric over ranks
+and sums it over micro-batches, so each rank's count times ``dp_size`` arrives as the sum over ranks and
+micro-batches of the mini-step; the monitored trainers sum the mini-steps (and local updates) of a step and form
+the ``stable/routing/coverage/*`` fractions from those totals.
 
 This module owns :class:`RouterReplayMixin`, the state machine driven by verl's engine hooks (``initialize``,
 ``disable_adapter``, ``forward_backward_batch``, ``prepare_model_inputs`` / ``prepare_model_outputs``,
@@ -63,6 +70,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
+from verl.utils.metric import AggregationType, Metric
 
 from verl_stable.integration.losses import relabel_stable_metrics
 from verl_stable.integration.replay_pass import (
@@ -73,12 +81,15 @@ from verl_stable.integration.replay_pass import (
     ReplayAction,
     ReplayPass,
     RouterReplayError,
+    coverage_counts,
     last_forward_rows,
     r2_drift_per_layer,
     replay_action,
     routed_rows,
+    token_roles,
 )
 from verl_stable.integration.rollout import expand_compact_routing
+from verl_stable.monitor.routing_metrics import COVERAGE
 from verl_stable.routing import alignment
 from verl_stable.routing.disagreement import expert_sets_differ
 from verl_stable.routing.families import ModelRouting, UnsupportedModelError, bind_model
@@ -234,6 +245,13 @@ class RouterReplayMixin:
             metrics.update({METRIC_PREFIX + key: value for key, value in replay_pass.metrics.items()})
         if output.get("metrics"):
             relabel_stable_metrics(output["metrics"])
+        coverage = None if replay_pass is None or replay_pass.targets is None else replay_pass.targets.coverage
+        if coverage is not None:
+            # after the relabelling, which would make them MEAN: counts add up (see the module docstring)
+            dp_size = int(tu.get_non_tensor_data(data=micro_batch, key="dp_size", default=1) or 1)
+            metrics = output.setdefault("metrics", {})
+            for name, count in coverage.items():
+                metrics[f"{COVERAGE}/{name}"] = Metric(aggregation=AggregationType.SUM, value=count * dp_size)
         return loss, output
 
     # ------------------------------------------------------------------------------------------- alignment
@@ -264,7 +282,8 @@ class RouterReplayMixin:
                 "(routing indexed by absolute decoder layer, dense layers as zero rows)"
             )
         moe = alignment.select_layers(rows.to(torch.long), layout.moe_layers)
-        dense = moe.masked_fill(~alignment.rows_with_data(moe).unsqueeze(-1), MISSING)
+        has_data = alignment.rows_with_data(moe)
+        dense = moe.masked_fill(~has_data.unsqueeze(-1), MISSING)
         use_remove_padding = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
         if use_remove_padding:
             static_pad = self._get_packed_pad_size(int(offsets[-1]))
@@ -279,11 +298,18 @@ class RouterReplayMixin:
                     f"{output_args.get('pad_size')}: verl's packing rule changed"
                 )
             token_mask = aligned.has_data.reshape(1, -1)
+            padding_tokens = static_pad + sp_pad
         else:
             width = int(model_inputs["input_ids"].shape[1])
             aligned = alignment.padded_layout(dense, offsets, max_seq_len=width)
             token_mask = aligned.has_data.reshape(-1, width)
-        return MicroBatchTargets(dense=aligned.token_rows(), token_mask=token_mask)
+            padding_tokens = (offsets.numel() - 1) * width - int(offsets[-1])
+        coverage = None
+        if self._replay_pass is not None and self._replay_pass.action is ReplayAction.REPLAY:
+            roles = token_roles(micro_batch, offsets)
+            if roles is not None:
+                coverage = coverage_counts(has_data, offsets, *roles, padding_tokens=padding_tokens)
+        return MicroBatchTargets(dense=aligned.token_rows(), token_mask=token_mask, coverage=coverage)
 
     def _recorded_routing(self, micro_batch: TensorDict, output_args: dict) -> torch.Tensor:
         """R2: routing per sample, ``[b, j, num_hidden_layers, top_k]`` int16, nested as input_ids."""

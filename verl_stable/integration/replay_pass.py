@@ -4,8 +4,25 @@ This module owns the pieces of the replay state machine that do not depend on ve
 a pass (:func:`replay_action`: none / observe / record / replay, from ``router_replay.mode`` and the pass's kind),
 the routing sessions installed on the model for one ``forward_backward_batch`` call (:class:`ReplayPass`, armed
 once per micro-batch), reading a micro-batch's ``routed_experts`` as packed rows (:func:`routed_rows`) and the rows
-a recorder saw (:func:`last_forward_rows`), and the per-layer R2 drift (:func:`r2_drift_per_layer`). The engine
-mixin that drives them from verl's hooks is :mod:`verl_stable.integration.fsdp_replay`; nothing here imports verl.
+a recorder saw (:func:`last_forward_rows`), the per-layer R2 drift (:func:`r2_drift_per_layer`) and the replay
+coverage of a micro-batch (:func:`token_roles`, :func:`coverage_counts`). The engine mixin that drives them from
+verl's hooks is :mod:`verl_stable.integration.fsdp_replay`; nothing here imports verl.
+
+Replay coverage. Each (token, MoE layer) row the routers see in a replayed micro-batch falls in exactly one class:
+
+* ``response_rows``: rows of response tokens whose routing feeds a trained log-prob, i.e. every response token
+  before the sample's last trained one (``response_mask == 1``; tool output between turns included, since later
+  trained tokens attend to it); ``response_replayed_rows`` of them were replayed, the rest fell back to the
+  model's own routing;
+* ``prompt_rows`` / ``prompt_replayed_rows``: the same for prompt tokens;
+* ``not_needed_rows``: tokens from the sample's last trained token on (the last sampled token, which the engine
+  never fed back, and tool output after the last turn): the log-prob at position ``p`` is computed from the hidden
+  state at ``p - 1``, so their routing feeds no trained log-prob and a missing row there is no fallback;
+* ``padding_rows``: rows of the model input that are no token (packing pad, Ulysses pad, right padding).
+
+The counts are of the whole micro-batch, before any Ulysses slicing, so every sequence-parallel rank computes the
+same numbers; the fractions are formed on the driver from the summed counts
+(:func:`verl_stable.monitor.routing_metrics.replay_coverage_metrics`).
 """
 
 from __future__ import annotations
@@ -17,6 +34,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from verl_stable.monitor.routing_metrics import COVERAGE_COUNTS
 from verl_stable.routing.disagreement import expert_sets_differ
 from verl_stable.routing.families import ModelRouting
 from verl_stable.routing.replay import RoutingRecorder, RoutingReplayer
@@ -114,6 +132,7 @@ class MicroBatchTargets:
 
     dense: torch.Tensor  # [token rows, M, K] int64 on device, MISSING where a row has no data
     token_mask: torch.Tensor  # [B, S] bool over the model input: True where a row is a real token
+    coverage: dict[str, float] | None = None  # coverage_counts of the whole micro-batch (REPLAY passes only)
 
 
 @dataclass
@@ -188,3 +207,105 @@ def r2_drift_per_layer(natural: torch.Tensor, recorded: torch.Tensor, has_data: 
     differ = (expert_sets_differ(natural, recorded) & has_data).sum(dim=0).double()
     compared = has_data.sum(dim=0).clamp(min=1).double()
     return (differ / compared).tolist()
+
+
+def token_roles(micro_batch: TensorDict, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per packed token row of a micro-batch: is it a prompt token, and is its log-prob trained.
+
+    The response is the tail of each sample's ``input_ids``: ``response_mask`` is nested with one entry per response
+    token (verl's engine workers), or a right-padded ``[B, R]`` tensor next to the ``[B, S]`` ``attention_mask`` whose
+    last ``R`` columns give each response's length (verl's padded batches).
+
+    Args:
+        micro_batch: the micro-batch as the engine receives it.
+        offsets: ``[B + 1]`` cu_seqlens of its ``input_ids``.
+
+    Returns:
+        ``(is_prompt, trained)``, two ``[tokens]`` bool tensors on ``offsets``' device, or ``None`` when the
+        micro-batch carries no ``response_mask`` (or a dense one without ``attention_mask``): coverage is then not
+        counted.
+
+    Raises:
+        RouterReplayError: If the response lengths do not fit the sequences.
+    """
+    keys = micro_batch.keys()
+    if "response_mask" not in keys:
+        return None
+    response_mask = micro_batch["response_mask"]
+    lengths = offsets.diff().cpu()
+    if response_mask.is_nested:
+        response_lengths = response_mask.offsets().diff().cpu()
+        flags = response_mask.values().cpu() != 0
+    elif response_mask.dim() == 2 and "attention_mask" in keys and not micro_batch["attention_mask"].is_nested:
+        width = response_mask.shape[1]
+        response_lengths = micro_batch["attention_mask"][:, -width:].sum(dim=1).cpu() if width else lengths * 0
+        columns = torch.arange(width).unsqueeze(0)
+        flags = (response_mask.cpu() != 0)[columns < response_lengths.unsqueeze(1)]  # row-major: sample by sample
+    else:
+        return None
+    if response_lengths.shape != lengths.shape or bool((response_lengths > lengths).any()):
+        raise RouterReplayError(
+            f"response lengths {response_lengths.tolist()} do not fit the sequence lengths {lengths.tolist()}"
+        )
+    sample = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    position = torch.arange(int(lengths.sum())) - offsets.cpu()[:-1][sample]
+    is_prompt = position < (lengths - response_lengths)[sample]
+    trained = torch.zeros_like(is_prompt)
+    trained[~is_prompt] = flags
+    return is_prompt.to(offsets.device), trained.to(offsets.device)
+
+
+def coverage_counts(
+    has_data: torch.Tensor,
+    offsets: torch.Tensor,
+    is_prompt: torch.Tensor,
+    trained: torch.Tensor,
+    padding_tokens: int,
+) -> dict[str, float]:
+    """Replay coverage of one micro-batch in (token, MoE layer) rows (classes in the module docstring).
+
+    A row is needed iff its position lies before its sample's last trained token; a sample without a trained token
+    (verl's padding samples) needs none.
+
+    Args:
+        has_data: ``[tokens, moe_layers]`` bool, rows with routing to replay, packed sample after sample.
+        offsets: ``[B + 1]`` cu_seqlens of the samples in ``has_data``.
+        is_prompt: ``[tokens]`` bool, prompt tokens.
+        trained: ``[tokens]`` bool, tokens whose log-prob is trained (``response_mask == 1``).
+        padding_tokens: model-input positions that are no token.
+
+    Returns:
+        ``{name: count}`` for every name of :data:`~verl_stable.monitor.routing_metrics.COVERAGE_COUNTS`.
+
+    Raises:
+        ValueError: If the shapes disagree or ``padding_tokens`` is negative.
+    """
+    tokens, layers = has_data.shape
+    if is_prompt.shape != (tokens,) or trained.shape != (tokens,) or int(offsets[-1]) != tokens:
+        raise ValueError(
+            f"coverage needs one prompt / trained flag per token row and offsets ending at {tokens}, got "
+            f"{tuple(is_prompt.shape)}, {tuple(trained.shape)} and offsets ending at {int(offsets[-1])}"
+        )
+    if padding_tokens < 0:
+        raise ValueError(f"padding_tokens must be >= 0, got {padding_tokens}")
+    device = has_data.device
+    lengths = offsets.diff().to(device)
+    sample = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
+    position = torch.arange(tokens, device=device)
+    # the last trained position of each sample, -1 when none; everything before it feeds a trained log-prob
+    last_trained = torch.full((lengths.numel(),), -1, dtype=torch.long, device=device)
+    last_trained.scatter_reduce_(0, sample, torch.where(trained.to(device), position, -1), reduce="amax")
+    needed = position < last_trained[sample]
+    prompt = needed & is_prompt.to(device)
+    response = needed & ~is_prompt.to(device)
+    replayed = has_data.sum(dim=1)  # MoE layers with routing, per token
+    counts = {
+        "response_rows": int(response.sum()) * layers,
+        "response_replayed_rows": int(replayed[response].sum()),
+        "prompt_rows": int(prompt.sum()) * layers,
+        "prompt_replayed_rows": int(replayed[prompt].sum()),
+        "not_needed_rows": int((~needed).sum()) * layers,
+        "padding_rows": int(padding_tokens) * layers,
+    }
+    assert tuple(counts) == COVERAGE_COUNTS
+    return {name: float(value) for name, value in counts.items()}

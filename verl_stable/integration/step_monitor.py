@@ -27,6 +27,13 @@ mini-step of the logged step (counted over ``ppo_epochs`` and, in the async mode
 local updates). ``update_0`` of an on-policy step runs on the weights that computed pi_old, so its staleness is ~0
 and its R2 drift 0; later updates show how far the policy and its routing moved. (``update`` rather than
 ``mini_step``: verl reduces metrics by substring, and ``mini_step`` contains ``min``.)
+
+Replay coverage. Under R2 / R3 the replay engine returns row counts per update mini-step, already summed over
+micro-batches and data-parallel ranks; verl's ``reduce_metrics`` would average them over mini-steps. The trainer
+sums them instead (:func:`coverage_totals` on the same unreduced output, added up over the local updates of a
+step) and :meth:`StepMonitor.step` logs those totals as ``stable/routing/coverage/<count>`` and the fractions of
+:func:`verl_stable.monitor.routing_metrics.replay_coverage_metrics`, which the guard's ``replay_coverage`` rule
+watches.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from tensordict import TensorDict
 from verl_stable.monitor import metrics as M
 from verl_stable.monitor.common import check_bool
 from verl_stable.monitor.guard import Guard, Verdict
+from verl_stable.monitor.routing_metrics import COVERAGE, COVERAGE_COUNTS, replay_coverage_metrics
 
 logger = logging.getLogger("verl_stable")
 
@@ -289,10 +297,27 @@ class StepMonitor:
             return {}
         return M.routing_disagreement_metrics(result, "rollout_vs_train")
 
-    def step(self, step: int, batch: MonitorBatch | None, metrics: dict[str, Any]) -> list[Verdict]:
-        """Add this step's ``stable/`` metrics to ``metrics`` in place and return the guard's verdicts."""
+    def step(
+        self,
+        step: int,
+        batch: MonitorBatch | None,
+        metrics: dict[str, Any],
+        coverage: Mapping[str, float] | None = None,
+    ) -> list[Verdict]:
+        """Add this step's ``stable/`` metrics to ``metrics`` in place and return the guard's verdicts.
+
+        Args:
+            step: verl's ``global_steps``.
+            batch: the step's fields for the monitor, or ``None``.
+            metrics: the step's metrics as verl collected them; updated in place.
+            coverage: the step's replay-coverage counts summed over its update mini-steps (:func:`coverage_totals`,
+                full ``stable/routing/coverage/<count>`` keys); they replace the per-mini-step means verl logged.
+        """
         for key in [k for k in metrics if k.startswith("actor/stable/")]:
             metrics[key[len("actor/") :]] = metrics.pop(key)
+        if coverage:
+            metrics.update(coverage)
+        metrics.update(self._coverage(metrics))
         if self.config.monitor.enable and batch is not None:
             metrics.update(self.batch_metrics(batch))
         if self.guard is None:
@@ -302,6 +327,17 @@ class StepMonitor:
         for rule, names in self.guard.missing.items():
             self._warn_once(f"missing:{rule}", f"guard rule {rule!r} has none of its metrics {list(names)}")
         return verdicts
+
+    def _coverage(self, metrics: Mapping[str, Any]) -> dict[str, float]:
+        """The replay-coverage fractions of the step's counts; empty when replay did not run."""
+        present = {name: metrics[f"{COVERAGE}/{name}"] for name in COVERAGE_COUNTS if f"{COVERAGE}/{name}" in metrics}
+        if not present:
+            return {}
+        if len(present) < len(COVERAGE_COUNTS):
+            missing = sorted(set(COVERAGE_COUNTS) - set(present))
+            self._warn_once("coverage", f"replay coverage counts {missing} are missing: no coverage fractions")
+            return {}
+        return replay_coverage_metrics(present)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -316,6 +352,35 @@ PER_UPDATE_METRICS: tuple[str, ...] = (
     f"{M.ROUTING}/router_disagreement",
     f"{M.ROUTING}/disagreement",
 )
+
+
+def coverage_totals(raw: Mapping[str, Any]) -> dict[str, float]:
+    """The replay-coverage counts of verl's unreduced ``update_actor`` metrics, summed over the update mini-steps.
+
+    Each per-mini-step value is already the sum over that mini-step's micro-batches and data-parallel ranks (see
+    :mod:`verl_stable.integration.fsdp_replay`), so the result is the count of the whole ``update_actor`` call.
+
+    Args:
+        raw: the ``metrics`` of ``update_actor``'s output (lists, one value per mini-step, or plain numbers).
+
+    Returns:
+        ``{"stable/routing/coverage/<count>": total}`` for the counts present; empty when replay did not run.
+
+    Raises:
+        ValueError: If a value is not a number.
+    """
+    out: dict[str, float] = {}
+    for name in COVERAGE_COUNTS:
+        key = f"{COVERAGE}/{name}"
+        values = raw.get(key, raw.get(f"actor/{key}"))
+        if values is None:
+            continue
+        values = list(values) if isinstance(values, (list, tuple)) else [values]
+        for value in values:
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+                raise ValueError(f"coverage count {key!r} holds a {type(value).__name__}, not a number")
+        out[key] = float(sum(float(v) for v in values))
+    return out
 
 
 def per_update_metrics(

@@ -50,6 +50,7 @@ from verl_stable.integration.step_monitor import (
     MonitorConfig,
     StableConfig,
     StepMonitor,
+    coverage_totals,
     per_update_metrics,
 )
 from verl_stable.monitor.guard import GuardTripped, Verdict, last_good_checkpoint_step
@@ -64,6 +65,7 @@ __all__ = [
     "MonitorConfig",
     "StableConfig",
     "StepMonitor",
+    "coverage_totals",
     "per_update_metrics",
     # the trainer side (the registered classes are module attributes too, built on first access)
     "BASE_TRAINERS",
@@ -201,22 +203,35 @@ class StabilityMonitorMixin:
             clear_stale_prompt_rows()
 
     def step(self, metrics, timing_raw):
-        """verl's step; numbers the update mini-steps of this logged step from 0."""
+        """verl's step; numbers the update mini-steps of this logged step from 0 and restarts the coverage sums."""
         self._stable_updates_in_step = 0
+        self._stable_coverage: dict[str, float] = {}
         return super().step(metrics, timing_raw)
 
     def _update_actor(self, batch, metrics):
-        """verl's actor update, plus the per-mini-step metrics of its unreduced output (:func:`per_update_metrics`)."""
+        """verl's actor update, plus from its unreduced output the replay-coverage totals (:func:`coverage_totals`)
+        and the per-mini-step metrics (:func:`per_update_metrics`)."""
         monitor = self._stable_state()
-        if not (monitor.config.monitor.enable and monitor.config.monitor.per_update):
-            return super()._update_actor(batch, metrics)
         tap = _UpdateOutputTap(self.actor_rollout_wg)
         self.actor_rollout_wg = tap
         try:
             result = super()._update_actor(batch, metrics)
         finally:
             self.actor_rollout_wg = tap.worker_group
-        if tap.raw is not None:
+        if tap.raw is None:
+            return result
+        # summed over the local updates of a step: verl's MetricsAggregator would average them by sample count
+        totals = getattr(self, "_stable_coverage", None)
+        if totals is None:
+            totals = self._stable_coverage = {}
+        try:
+            coverage = coverage_totals(tap.raw)
+        except ValueError as exc:  # verl changed its layout: keep training, say so once
+            monitor._warn_once("coverage_totals", f"no replay-coverage totals: {exc}")
+            coverage = {}
+        for key, value in coverage.items():
+            totals[key] = totals.get(key, 0.0) + value
+        if monitor.config.monitor.enable and monitor.config.monitor.per_update:
             first = getattr(self, "_stable_updates_in_step", 0)
             try:
                 per_update, count = per_update_metrics(tap.raw, first)
@@ -235,7 +250,8 @@ class StabilityMonitorMixin:
             from verl_stable.integration.rollout import fetch_transport_metrics
 
             metrics.update(fetch_transport_metrics(batch))
-        verdicts = monitor.step(global_steps, fetched, metrics)
+        verdicts = monitor.step(global_steps, fetched, metrics, coverage=getattr(self, "_stable_coverage", None))
+        self._stable_coverage = {}
         self._stable_handle(verdicts, global_steps)
 
     def _stable_handle(self, verdicts: list[Verdict], step: int) -> None:

@@ -9,7 +9,9 @@ A :class:`Guard` consumes one flat ``{name: float}`` dict per training step (ver
 * ``stop_checkpoint``: stop and name the last good checkpoint (see :func:`last_good_checkpoint_step`).
 
 Default rules (the seed's checklist): token entropy below 0.25 and still falling over a window of steps;
-KL(mu || pi_old) above 0.01; a non-finite loss or gradient norm. Each is configurable from a plain dict, as it
+KL(mu || pi_old) above 0.01; a non-finite loss or gradient norm; and, under routing replay (R2 / R3), a replay
+coverage of trained response tokens below 0.99 (``replay_coverage``: routing that silently went missing, so
+training fell back to the model's own routing on those tokens). Each is configurable from a plain dict, as it
 comes from the recipe YAML (:meth:`Guard.from_config`).
 
 A watched metric that is NaN, infinite or not a number at all fires its rule, whatever the condition: an
@@ -56,6 +58,8 @@ class Rule:
         action: ``warn``, ``stop`` or ``stop_checkpoint``.
         slope_tolerance: per-step decline the slope must exceed to count as falling (``below_and_falling``);
             raise it for tasks whose healthy entropy is legitimately low and noisy.
+        optional: the metrics exist only in some runs (``replay_coverage``: only under routing replay), so a
+            rule that never found them is not listed in :attr:`Guard.missing`.
     """
 
     name: str
@@ -65,6 +69,7 @@ class Rule:
     window: int = 1
     action: Action = "warn"
     slope_tolerance: float = 0.0
+    optional: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -91,6 +96,7 @@ class Rule:
         if not (math.isfinite(tolerance) and tolerance >= 0):
             raise ValueError(f"{where}: slope_tolerance must be a finite number >= 0, got {tolerance!r}")
         object.__setattr__(self, "slope_tolerance", tolerance)
+        check_bool(f"{where}: optional", self.optional)
 
 
 def _metric_names(where: str, metrics: object) -> tuple[str, ...]:
@@ -184,9 +190,28 @@ DEFAULT_RULES: tuple[Rule, ...] = (
         ("actor/pg_loss", "actor/loss", "actor/grad_norm"),
         action="stop_checkpoint",
     ),
+    # logged only when the replay engine replays (R2 updates, every R3 pass): other runs never see the metric
+    Rule(
+        "replay_coverage",
+        "below",
+        ("stable/routing/coverage/response_replayed",),
+        threshold=0.99,
+        action="warn",
+        optional=True,
+    ),
 )
 
-_RULE_KEYS = {"condition", "metrics", "metric", "threshold", "window", "action", "enabled", "slope_tolerance"}
+_RULE_KEYS = {
+    "condition",
+    "metrics",
+    "metric",
+    "threshold",
+    "window",
+    "action",
+    "enabled",
+    "slope_tolerance",
+    "optional",
+}
 
 
 def _as_float(value: Any) -> float | None:
@@ -223,7 +248,8 @@ class Guard:
     Attributes:
         rules: the active rules.
         flagged_steps: steps at which any rule fired (warn included).
-        missing: rule name -> metric names it looked for but never found (a silent rule is visible here).
+        missing: rule name -> metric names it looked for but never found (a silent rule is visible here; an
+            ``optional`` rule is not listed).
     """
 
     rules: tuple[Rule, ...] = DEFAULT_RULES
@@ -343,7 +369,7 @@ class Guard:
     def _evaluate(self, rule: Rule, step: int, metrics: Mapping[str, Any]) -> Verdict | None:
         present = [m for m in rule.metrics if m in metrics]
         if not present:
-            if rule.name not in self._seen:
+            if rule.name not in self._seen and not rule.optional:
                 self.missing[rule.name] = rule.metrics
             return None
         self._seen.add(rule.name)

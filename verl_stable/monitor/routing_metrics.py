@@ -1,19 +1,36 @@
-"""MoE routing metrics: naming of routing disagreement results and per-layer expert load balance.
+"""MoE routing metrics: naming of routing disagreement results, per-layer expert load balance, replay coverage.
 
 The disagreement itself is computed by :mod:`verl_stable.routing.disagreement`; this module only names it under
 ``stable/routing/``. Expert ids are ``[tokens, layers, top_k]`` integer tensors as in verl's rollout routing
 traces, where a dense layer's row is all zero. Symbols are defined in ``docs/notation.md``; input checks are those
-of :mod:`verl_stable.monitor.common`. This module does not import verl.
+of :mod:`verl_stable.monitor.common`. Replay coverage (:func:`replay_coverage_metrics`) turns the row counts the
+replay engine returns (:data:`COVERAGE_COUNTS`, counted by :func:`verl_stable.integration.replay_pass.coverage_counts`)
+into fractions. This module does not import verl.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Mapping, Sequence
 
 import torch
 
 from verl_stable.monitor.common import ROUTING, check_bool, check_int, check_real, check_tensor, type_name, valid_mask
+
+COVERAGE = f"{ROUTING}/coverage"
+"""Prefix of the replay-coverage metrics (counts and fractions)."""
+
+COVERAGE_COUNTS: tuple[str, ...] = (
+    "response_rows",
+    "response_replayed_rows",
+    "prompt_rows",
+    "prompt_replayed_rows",
+    "not_needed_rows",
+    "padding_rows",
+)
+"""Replay-coverage row counts, ``stable/routing/coverage/<name>``, in (token, MoE layer) rows. No name contains
+``min`` or ``max``: verl reduces logged lists by substring."""
 
 
 def _number_list(key: str, value: object) -> list[float]:
@@ -141,4 +158,52 @@ def expert_load_balance(
     if worst_mom is not None:
         out[f"{ROUTING}/load/max_over_mean"] = worst_mom
         out[f"{ROUTING}/load/cv"] = worst_cv
+    return out
+
+
+def replay_coverage_metrics(counts: Mapping[str, object]) -> dict[str, float]:
+    """Replay-coverage fractions from the summed row counts of :data:`COVERAGE_COUNTS`.
+
+    With ``R`` = ``response_rows``, ``P`` = ``prompt_rows``, ``N`` = ``not_needed_rows``, ``D`` = ``padding_rows``:
+
+    * ``stable/routing/coverage/response_replayed = response_replayed_rows / R`` and ``response_fallback`` its
+      complement (rows that kept the model's own routing although a trained log-prob depends on them);
+    * ``prompt_replayed`` / ``prompt_fallback``: the same over ``P``;
+    * ``not_needed = N / (R + P + N + D)`` and ``padding = D / (R + P + N + D)``: shares of all rows the routers saw.
+
+    Ratios of sums, so the fractions are pooled over whatever the counts were summed over (micro-batches, ranks,
+    update mini-steps), whatever the micro-batch sizes. A fraction whose denominator is 0 is left out (never NaN
+    from an empty class); a non-finite count gives a non-finite fraction, which the guard then reports.
+
+    Args:
+        counts: ``{name: count}`` with every name of :data:`COVERAGE_COUNTS` (short names, or full
+            ``stable/routing/coverage/<name>`` keys), real numbers >= 0.
+
+    Raises:
+        TypeError: ``counts`` is not a mapping or a count is not a real number.
+        ValueError: a count is missing or negative, or more rows were replayed than a class holds.
+    """
+    if not isinstance(counts, Mapping):
+        raise TypeError(f"coverage counts must be a mapping of name to count, got {type_name(counts)}")
+    values: dict[str, float] = {}
+    for name in COVERAGE_COUNTS:
+        key = name if name in counts else f"{COVERAGE}/{name}"
+        if key not in counts:
+            raise ValueError(f"coverage counts lack {name!r} (need {list(COVERAGE_COUNTS)})")
+        value = check_real(f"coverage count {name!r}", counts[key])
+        if value < 0:
+            raise ValueError(f"coverage count {name!r} must be >= 0, got {value}")
+        values[name] = value
+    out: dict[str, float] = {}
+    for group in ("response", "prompt"):
+        rows, replayed = values[f"{group}_rows"], values[f"{group}_replayed_rows"]
+        if replayed > rows:
+            raise ValueError(f"coverage counts replay {replayed} {group} rows of {rows}")
+        if rows > 0 or not math.isfinite(rows):
+            out[f"{COVERAGE}/{group}_replayed"] = replayed / rows
+            out[f"{COVERAGE}/{group}_fallback"] = (rows - replayed) / rows
+    total = values["response_rows"] + values["prompt_rows"] + values["not_needed_rows"] + values["padding_rows"]
+    if total > 0 or not math.isfinite(total):
+        out[f"{COVERAGE}/not_needed"] = values["not_needed_rows"] / total
+        out[f"{COVERAGE}/padding"] = values["padding_rows"] / total
     return out

@@ -1,0 +1,67 @@
+"""Fault injection of the ``hf`` backend: every k-th request's routing is malformed, and the boundary sees it so."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from verl_stable.cpu import hf_options, hf_routing
+from verl_stable.integration.rollout.boundary import compact_token_routing
+from verl_stable.integration.rollout.config import RolloutRoutingOptions
+from verl_stable.routing.codecs import BoundaryStats, ExpertIdRangeError
+from verl_stable.routing.families import bind_model
+
+
+def test_option_defaults_off_and_is_checked():
+    assert hf_options.resolve_options({}).corrupt_routing_every == 0
+    opts = hf_options.resolve_options({"engine_kwargs": {"hf": {"corrupt_routing_every": 3}}})
+    assert opts.corrupt_routing_every == 3
+    for bad in (-1, "2", 1.5, True):
+        with pytest.raises(ValueError, match=r"engine_kwargs\.hf\.corrupt_routing_every \(fault injection\)"):
+            hf_options.resolve_options({"engine_kwargs": {"hf": {"corrupt_routing_every": bad}}})
+
+
+def _recording(model: torch.nn.Module, exporter: hf_routing.RoutingExporter, prompt: list[int]):
+    with torch.no_grad(), exporter.capture(model) as recorder:
+        model(input_ids=torch.tensor([prompt]))
+    return recorder
+
+
+def test_every_kth_request_is_corrupted_and_the_others_are_faithful(tiny_moe):
+    faithful = hf_routing.routing_exporter(tiny_moe)
+    faulty = hf_routing.routing_exporter(tiny_moe, corrupt_every=2)
+    layout = bind_model(tiny_moe).layout
+    prompt = [3, 7, 5, 9, 20]
+    recorder = _recording(tiny_moe, faithful, prompt)
+    want = faithful.to_array(recorder)
+    got = [faulty.to_array(recorder) for _ in range(4)]
+    for request, array in enumerate(got, start=1):
+        assert array.shape == want.shape
+        if request % 2:
+            assert array.dtype == np.uint8 and (array == want).all()
+        else:
+            moe = array[:, list(layout.moe_layers)]
+            assert array.dtype == np.uint16 and (moe == layout.num_experts).all()
+    # the faithful exporter never counts: its payloads stay exact
+    assert all((faithful.to_array(recorder) == want).all() for _ in range(3))
+    with pytest.raises(ValueError, match="corrupt_every must be an int >= 0"):
+        hf_routing.routing_exporter(tiny_moe, corrupt_every=-2)
+
+
+def test_the_boundary_refuses_the_corrupted_payload_or_skips_the_sample(tiny_moe):
+    exporter = hf_routing.routing_exporter(tiny_moe)
+    layout = bind_model(tiny_moe).layout
+    prompt = [3, 7, 5, 9, 20]
+    good = exporter.to_array(_recording(tiny_moe, exporter, prompt))  # prompt_len 3 + 3 generated - 1 rows
+    bad = hf_routing.corrupt_routing_payload(good, list(layout.moe_layers), layout.num_experts)
+    assert (good == exporter.to_array(_recording(tiny_moe, exporter, prompt))).all()  # the input is not modified
+    kwargs = dict(prompt_len=3, response_mask=[1, 1, 1], layout=layout)
+    rows = compact_token_routing(good, **kwargs)
+    assert rows is not None and rows.ids.shape[0] == 5
+    with pytest.raises(ExpertIdRangeError):
+        compact_token_routing(bad, **kwargs)
+    stats = BoundaryStats()
+    skip = RolloutRoutingOptions(on_invalid="skip_sample")
+    assert compact_token_routing(bad, options=skip, stats=stats, **kwargs) is None
+    assert stats.skipped_samples == 1 and stats.errors == {"ExpertIdRangeError": 1}
