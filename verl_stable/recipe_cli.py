@@ -14,6 +14,7 @@ import argparse
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from verl_stable.argtypes import positive_int
 from verl_stable.cpu import launch
 from verl_stable.recipes import (
     BACKENDS,
@@ -97,7 +98,7 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
     p = sub.add_parser("run-cpu", help="run an fsdp recipe with verl's trainer on the CPU runtime (tiny MoE)")
     p.add_argument("name")
     p.add_argument("--workdir", default="./verl_stable_recipe_run")
-    p.add_argument("--steps", type=_positive_int, default=2)
+    p.add_argument("--steps", type=positive_int, default=2)
     p.add_argument("overrides", nargs="*")
     # overrides may follow options (``run-cpu NAME --steps 3 key=value``): argparse leaves those to parse_known_args
     args, extra = parser.parse_known_args(argv)
@@ -140,17 +141,6 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
         out(OmegaConf.to_yaml(cfg))
         return 0
     return _cmd_check(args.name, args.overrides, out)
-
-
-def _positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
 
 
 if __name__ == "__main__":

@@ -16,12 +16,12 @@ is :mod:`verl_stable.cpu.trainer_process`; its names stay importable from here.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from collections.abc import Sequence
 from typing import Any
 
 from verl_stable import recipes
+from verl_stable.argtypes import positive_int, positive_seconds
 from verl_stable.cpu import tasks, vllm_rollout
 from verl_stable.cpu.assets import Assets, AssetSpec, asset_paths, ensure_assets
 from verl_stable.cpu.hf_options import PRECISIONS
@@ -280,28 +280,6 @@ def run_recipe(
     return proc.returncode
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def _positive_seconds(text: str) -> float:
-    """argparse type: a finite number of seconds > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
-    return value
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: check the arguments, build tiny assets if missing, then run verl's trainer on CPU.
 
@@ -315,12 +293,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="verl-stable run", description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="./verl_stable_cpu_run", help="assets, checkpoints, logs, metrics")
     parser.add_argument("--task", default="copy", choices=tasks.TASKS)
-    parser.add_argument("--steps", type=_positive_int, default=3)
+    parser.add_argument("--steps", type=positive_int, default=3)
     parser.add_argument("--engine", default="hf", choices=ENGINES, help="rollout engine (vllm: vLLM's CPU build)")
     parser.add_argument("--precision", default=None, choices=PRECISIONS, help="rollout precision (vllm: fp32, bf16)")
     parser.add_argument("--no-sync", action="store_true", help="skip weight sync to the hf rollout (drift check)")
     parser.add_argument(
-        "--poll-interval", type=_positive_seconds, default=0.1, help="replay-buffer poll seconds (verl: 2.0)"
+        "--poll-interval", type=positive_seconds, default=0.1, help="replay-buffer poll seconds (verl: 2.0)"
     )
     parser.add_argument("--print-overrides", action="store_true", help="print the overrides and exit")
     parser.add_argument("overrides", nargs="*", help="extra hydra overrides key=value (appended, they win)")

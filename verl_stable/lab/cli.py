@@ -15,26 +15,15 @@ not a positive number, or an ``--out`` that is a file is refused with exit code 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from verl_stable.argtypes import positive_int, positive_seconds
 from verl_stable.cpu.launch import ENGINES
 from verl_stable.lab.presets import MAX_SEED
 from verl_stable.lab.variants import PRECISIONS
-
-
-def _positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
 
 
 def _seed(text: str) -> int:
@@ -46,17 +35,6 @@ def _seed(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
     if not 0 <= value <= MAX_SEED:
         raise argparse.ArgumentTypeError(f"{expected}, got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    """argparse type: a finite number of seconds > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
     return value
 
 
@@ -85,14 +63,14 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
     parser = argparse.ArgumentParser(prog="verl-stable lab", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="default", choices=sorted(sweep.PRESETS))
     parser.add_argument("--out", default="./verl_stable_lab", help="output directory (runs, cache, report)")
-    parser.add_argument("--steps", type=_positive_int, help="override the preset's RL steps per run")
+    parser.add_argument("--steps", type=positive_int, help="override the preset's RL steps per run")
     parser.add_argument("--seeds", type=_seed, nargs="+", help="override the preset's seeds (distinct, in [0, 2**32))")
     parser.add_argument("--engine", choices=ENGINES, help="rollout engine (default hf; vllm: vLLM's CPU build)")
     parser.add_argument("--precision", choices=PRECISIONS, help="rollout precision (hf default fp8; vllm: bf16, fp32)")
     parser.add_argument("--only", nargs="+", help="run names starting with these (e.g. minirl_r3__N4)")
-    parser.add_argument("--timeout", type=_seconds, help="per-run wall-clock limit in seconds")
+    parser.add_argument("--timeout", type=positive_seconds, help="per-run wall-clock limit in seconds")
     parser.add_argument(
-        "--jobs", type=_positive_int, help="runs at once (default: 2 on a host with >= 2 cores and 12 GiB)"
+        "--jobs", type=positive_int, help="runs at once (default: 2 on a host with >= 2 cores and 12 GiB)"
     )
     parser.add_argument("--report-only", action="store_true", help="only re-render the report from --out")
     parser.add_argument("--list", action="store_true", help="list presets and variants, then exit")
