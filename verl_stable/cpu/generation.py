@@ -26,7 +26,12 @@ from torch import nn
 
 @dataclass(frozen=True)
 class SamplingSpec:
-    """What to sample. ``max_tokens`` >= 1; ``stop_token_ids`` end generation (the stop token is kept)."""
+    """What to sample. ``max_tokens`` >= 1; ``stop_token_ids`` end generation (the stop token is kept).
+
+    ``seed``: None draws from torch's global random stream (shared by every request, so what a request samples
+    depends on what was sampled before it); an int gives the request a ``torch.Generator`` of its own, so it samples
+    the same tokens alone or as any row of any batch.
+    """
 
     max_tokens: int
     temperature: float = 1.0

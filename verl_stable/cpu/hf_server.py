@@ -4,8 +4,10 @@
 ``ray.remote``, named :func:`server_actor_name` like vLLM's servers). It answers ``async generate(prompt_ids,
 sampling_params, request_id, ...) -> TokenOutput`` with KV-cached sampling (:mod:`verl_stable.cpu.generation`),
 vLLM-style processed log-probs and, when asked, the routed experts (:mod:`verl_stable.cpu.hf_routing`); concurrent
-requests are batched (:mod:`verl_stable.cpu.batching`). It takes streamed weights in buckets
-(:mod:`verl_stable.cpu.hf_weights`) and answers every lifecycle method verl calls on a server (nothing to free on CPU).
+requests are batched (:mod:`verl_stable.cpu.batching`), and a request whose sampling params carry ``seed``
+(verl-stable's agent loop sends one per sample) is sampled from a generator of that seed, whatever it is batched with.
+It takes streamed weights in buckets (:mod:`verl_stable.cpu.hf_weights`) and answers every lifecycle method verl calls
+on a server (nothing to free on CPU).
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ class HFRolloutServer:
             repetition_penalty=float(params.get("repetition_penalty", self.config.repetition_penalty)),
             stop_token_ids=tuple(int(t) for t in (params.get("stop_token_ids") or ())),
             ignore_eos=bool(params.get("ignore_eos", self.config.ignore_eos)),
-            seed=params.get("seed"),
+            # verl-stable's agent loop sends one per sample; None keeps the server's shared random stream
+            seed=None if params.get("seed") is None else int(params["seed"]),
         )
 
     def _generate_batch(self, requests: list[tuple[list[int], SamplingSpec]]) -> list[Any]:

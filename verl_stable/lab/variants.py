@@ -38,6 +38,7 @@ ALLOW_MISSING_IS = "actor_rollout_ref.actor.policy_loss.minirl.allow_missing_rol
 LOSS_MODE = "actor_rollout_ref.actor.policy_loss.loss_mode"
 LOSS_AGG_MODE = "actor_rollout_ref.actor.loss_agg_mode"
 ADV_ESTIMATOR = "algorithm.adv_estimator"
+ROLLOUT_SEED = "actor_rollout_ref.rollout.seed"
 PRECISION = "+actor_rollout_ref.rollout.engine_kwargs.hf.precision"
 REWARD_PATH = "reward.custom_reward_function.path"
 REWARD_NAME = "reward.custom_reward_function.name"
@@ -189,6 +190,8 @@ def run_overrides(
         "data.max_response_length": max_response_length,
         "data.seed": seed,
         "actor_rollout_ref.actor.data_loader_seed": seed,
+        # the run seed of every sample's sampling seed (verl-stable's agent-loop worker; vLLM's engine seed too)
+        ROLLOUT_SEED: seed,
         REWARD_PATH: reward,
         REWARD_NAME: "compute_score",
         "trainer.experiment_name": f"lab_{variant.name}_N{staleness}_s{seed}",

@@ -4,7 +4,10 @@ Select the manager by its dotted path,
 ``+actor_rollout_ref.rollout.agent.agent_loop_manager_class=verl_stable.integration.rollout.CompactRoutingAgentLoopManagerTQ``
 (:data:`~.config.MANAGER_FQN`); it starts :class:`CompactRoutingAgentLoopWorkerTQ` workers, which before each sample
 is stored validate and compact its routing (:mod:`.boundary`), share its group's prompt rows (:mod:`.sharing`) and
-put the compact fields instead of verl's int16 ``routed_experts`` (:class:`CompactRoutingAgentLoopOutput`).
+put the compact fields instead of verl's int16 ``routed_experts`` (:class:`CompactRoutingAgentLoopOutput`). The
+workers also make rollouts reproducible (:mod:`.seeding`): every sample is sent with a sampling seed derived from its
+identity and verl's ``actor_rollout_ref.rollout.seed``, and with a sync trainer the samples enter TransferQueue in
+dispatch order.
 
 This module imports verl's agent loop, TransferQueue's client and Ray at import time (close to a second on top of
 ``import verl``), so the package imports it only when one of its names is first used; the plugin's import of
@@ -18,6 +21,8 @@ import logging
 from typing import Any
 
 import ray
+import torch
+from omegaconf import OmegaConf
 from pydantic import ConfigDict
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
@@ -29,6 +34,12 @@ from verl_stable.integration.rollout.boundary import (
     merge_stats,
 )
 from verl_stable.integration.rollout.config import DEFAULT_OPTIONS, RolloutRoutingOptions
+from verl_stable.integration.rollout.seeding import (
+    PROMPT_IDENTITY_FIELDS,
+    PromptOccurrences,
+    RolloutSeeding,
+    prompt_content_key,
+)
 from verl_stable.integration.rollout.sharing import (
     PROMPT_PARTITION,
     PROMPT_REF_FIELD,
@@ -51,6 +62,12 @@ __all__ = [
 ]
 
 logger = logging.getLogger("verl_stable.routing")
+
+TRAINER_MODE_KEY = "trainer.v1.trainer_mode"
+# trainers that wait for a whole step's samples: putting them in dispatch order costs them nothing
+ORDERED_PUT_MODES = ("sync", "stable_sync")
+OCCURRENCE_FIELD = "__verl_stable_occurrence__"
+"""Batch column the manager adds for its workers (popped before verl sees the prompt, so never stored)."""
 
 
 class CompactRoutingAgentLoopOutput(AgentLoopOutput):
@@ -129,7 +146,17 @@ def compact_agent_loop_output(
 
 
 class CompactRoutingAgentLoopWorkerTQ(AgentLoopWorkerTQ.__ray_actor_class__):
-    """AgentLoopWorkerTQ that validates and compacts routing before it enters TransferQueue."""
+    """AgentLoopWorkerTQ that validates and compacts routing before it enters TransferQueue, and seeds every sample.
+
+    Reproducibility (:mod:`.seeding`): each sample's sampling params carry ``seed`` = :func:`~.seeding.sample_seed`
+    of (``rollout.seed``, global step, train/val, the prompt's content, its occurrence in the step, the sample's index
+    in its group); the ``hf`` server and vLLM draw the sample from a generator of that seed. With a sync trainer
+    (``trainer.v1.trainer_mode`` ``sync`` / ``stable_sync``) the samples are put into TransferQueue in dispatch order
+    (:class:`~.seeding.PutOrder`), which is the order verl's replay buffer hands them to the trainer.
+    """
+
+    stable_seeding: RolloutSeeding | None = None
+    """Per-sample seeds and put order (set by ``__init__``; None leaves sampling and puts as verl does them)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -142,6 +169,8 @@ class CompactRoutingAgentLoopWorkerTQ(AgentLoopWorkerTQ.__ray_actor_class__):
         self.stable_prompt_sharing = PromptRowSharing()
         # uid -> side-entry key -> its put; in-flight groups of more than one sample only
         self.stable_prompt_puts: dict[str, dict[str, asyncio.Future]] = {}
+        mode = OmegaConf.select(self.config, TRAINER_MODE_KEY, default="sync")
+        self.stable_seeding = RolloutSeeding(self.rollout_config.seed, ordered_puts=mode in ORDERED_PUT_MODES)
 
     def _stable_compact(self, output: Any, uid: str, partition: str) -> Any:
         if not self.stable_routing_options.share_prompt_rows:
@@ -198,20 +227,57 @@ class CompactRoutingAgentLoopWorkerTQ(AgentLoopWorkerTQ.__ray_actor_class__):
             if self.stable_routing_options.share_prompt_rows:
                 await self._stable_put_shared(outputs, uid)
             output = outputs if isinstance(output, list) else outputs[0]
-        return await super()._agent_loop_postprocess(output, validate, **kwargs)
+        seeding, uid, index = self.stable_seeding, kwargs.get("uid"), int(kwargs.get("session_id", 0))
+        if seeding is None or seeding.ticket(uid, index) is None:
+            return await super()._agent_loop_postprocess(output, validate, **kwargs)
+        try:
+            # score while earlier samples finish (verl's postprocess skips a sample already scored), then put in turn
+            scored = output if isinstance(output, list) else [output]
+            if scored:
+                await self._compute_score(scored, kwargs=kwargs)
+            await seeding.wait_turn(uid, index)
+            return await super()._agent_loop_postprocess(output, validate, **kwargs)
+        finally:
+            seeding.release(uid, index)  # put, or failed: the next sample's turn either way
+
+    async def _run_agent_loop(self, sampling_params: dict[str, Any], trajectory: dict[str, Any], **kwargs: Any) -> Any:
+        seeding, uid, index = self.stable_seeding, kwargs.get("uid"), int(kwargs.get("session_id", 0))
+        seed = seeding.seed(uid, index) if seeding is not None else None
+        if seed is not None:
+            # a copy: verl hands one dict to every sample of the group
+            sampling_params = {**sampling_params, "seed": seed}
+        try:
+            return await super()._run_agent_loop(sampling_params, trajectory, **kwargs)
+        finally:
+            if seeding is not None:
+                seeding.release(uid, index)  # failed before its put: must not hold later samples back
 
     async def _run_prompt(self, prompt: dict, sampling_params: dict, trajectory: dict, **kwargs: Any) -> None:
         uid = str(prompt.get("uid"))
         rollout = self.config.actor_rollout_ref.rollout
-        n = prompt.get("__rollout_n__", rollout.val_kwargs.n if trajectory["validate"] else rollout.n)
-        if self.stable_routing_enabled and int(n) > 1:
+        n = int(prompt.get("__rollout_n__", rollout.val_kwargs.n if trajectory["validate"] else rollout.n))
+        if self.stable_routing_enabled and n > 1:
             self.stable_prompt_puts[uid] = {}
+        occurrence = prompt.pop(OCCURRENCE_FIELD, None)  # the manager's numbering; not a dataset field
+        if self.stable_seeding is not None:
+            # before the first await: groups start in batch order, so occurrences and tickets follow the batch
+            step = prompt.get("global_steps", trajectory.get("step", 0))
+            self.stable_seeding.dispatch(
+                uid,
+                prompt,
+                int(step),
+                bool(trajectory["validate"]),
+                n,
+                occurrence=None if occurrence is None else int(occurrence),
+            )
         try:
             return await super()._run_prompt(prompt, sampling_params, trajectory, **kwargs)
         finally:
             # every session of the group has settled (verl's contract): forget it
             self.stable_prompt_sharing.forget(uid)
             self.stable_prompt_puts.pop(uid, None)
+            if self.stable_seeding is not None:
+                self.stable_seeding.finish(uid)  # samples that never reached a put must not block later groups
 
     def stable_routing_metrics(self) -> dict[str, float]:
         """Boundary counters of this worker (``stable/routing/*``)."""
@@ -222,8 +288,33 @@ _REMOTE_WORKER = ray.remote(CompactRoutingAgentLoopWorkerTQ)
 
 
 class CompactRoutingAgentLoopManagerTQ(AgentLoopManagerTQ):
-    """AgentLoopManagerTQ whose workers carry compact, validated routing (select it by FQN, see module doc)."""
+    """AgentLoopManagerTQ whose workers carry compact, validated routing (select it by FQN, see module doc).
+
+    It also numbers repeated prompts for the workers' sampling seeds (:data:`OCCURRENCE_FIELD`): verl splits a batch
+    over several workers, and a prompt drawn twice in one step must get two groups of samples even when its two
+    copies land on different workers.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.agent_loop_workers_class = _REMOTE_WORKER
+        self.stable_occurrences = PromptOccurrences()
+
+    def generate_sequences(self, prompts: Any) -> None:
+        return super().generate_sequences(self.stable_number_occurrences(prompts))
+
+    def stable_number_occurrences(self, prompts: Any) -> Any:
+        """A shallow copy of the batch ``prompts`` with :data:`OCCURRENCE_FIELD`: each row's occurrence number of its
+        prompt content at this (step, train/val), counted over every dispatch of the step in batch order."""
+        keys = set(prompts.keys())
+        step = int(prompts["global_steps"]) if "global_steps" in keys else 0
+        validate = bool(prompts["validate"]) if "validate" in keys else False
+        fields = [name for name in PROMPT_IDENTITY_FIELDS if name in keys]
+        columns = {name: prompts[name] for name in fields}
+        occurrences = [
+            self.stable_occurrences.next(step, validate, prompt_content_key({n: columns[n][i] for n in fields}))
+            for i in range(len(prompts))
+        ]
+        numbered = prompts.copy()  # the trainer keeps its batch: never add a column to it
+        numbered[OCCURRENCE_FIELD] = torch.tensor(occurrences, dtype=torch.int64)
+        return numbered
