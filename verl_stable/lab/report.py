@@ -225,9 +225,9 @@ def compare_late_reward(a: CellSummary, b: CellSummary) -> tuple[float | None, f
 
 
 ONE_SEED_CAVEAT = (
-    "; but with one seed per variant this is not evidence: lab runs are not bit-reproducible (the hf server samples "
-    "concurrent requests in arrival order) and two runs of the same seed differed by 0.21 in late reward "
-    "(docs/lab.md); rerun with --seeds 0 1 2"
+    "; but with one seed per variant this is not evidence: a rerun of the same seed repeats it exactly, and only other "
+    "seeds show how much a result varies (before rollouts were seeded per sample, two runs of one seed differed by "
+    "0.21 in late reward, docs/lab.md); rerun with --seeds 0 1 2"
 )
 """Appended to a reward verdict that points a direction when either side has a single seed: the margin only covers
 the noise within a run, not between runs."""

@@ -14,6 +14,8 @@ verl's form from them. One module per concern; every name is importable from thi
   the actor, clearing);
 * :mod:`.actor`: a batch's compact fields back to a :class:`~verl_stable.routing.trace.RoutingTrace` or to verl's
   ``routed_experts``;
+* :mod:`.seeding`: each sample's sampling seed from its identity (run seed, step, prompt, index in its group), so
+  that what is sampled does not depend on batching or arrival order;
 * :mod:`.agent_loop`: verl's agent-loop output, worker and manager subclasses and
   :func:`compact_agent_loop_output`.
 
