@@ -65,3 +65,30 @@ def test_the_boundary_refuses_the_corrupted_payload_or_skips_the_sample(tiny_moe
     skip = RolloutRoutingOptions(on_invalid="skip_sample")
     assert compact_token_routing(bad, options=skip, stats=stats, **kwargs) is None
     assert stats.skipped_samples == 1 and stats.errors == {"ExpertIdRangeError": 1}
+
+
+def test_the_server_corrupts_every_kth_request_from_its_engine_kwargs(cpu_assets):
+    import asyncio
+
+    from verl.workers.config import HFModelConfig, RolloutConfig
+
+    from verl_stable.cpu import hf_server
+
+    cfg = RolloutConfig(
+        name="hf",
+        prompt_length=16,
+        response_length=3,
+        tensor_model_parallel_size=1,
+        enable_rollout_routing_replay=True,
+        engine_kwargs={"hf": {"precision": "fp32", "corrupt_routing_every": 2}},
+    )
+    server = hf_server.HFRolloutServer(cfg, HFModelConfig(path=str(cpu_assets.model_dir)))
+    layout = bind_model(server.model).layout
+    params = dict(temperature=1.0, top_p=1.0, top_k=-1, ignore_eos=True, seed=0)
+    outs = [
+        asyncio.run(server.generate(prompt_ids=[3, 7, 5, 9], sampling_params=params, request_id=f"r{i}"))
+        for i in range(4)
+    ]
+    moe = [out.routed_experts[:, list(layout.moe_layers)] for out in outs]
+    assert [bool((m == layout.num_experts).all()) for m in moe] == [False, True, False, True]
+    assert all(int(m.max()) < layout.num_experts for m in moe[::2])

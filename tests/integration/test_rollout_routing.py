@@ -307,6 +307,10 @@ def test_e2e_r3_actors_receive_the_compact_form_and_replay_it(tmp_path):
         assert row[f"{fe.METRIC_PREFIX}replayed_rows"] > 0
         assert row[f"{fe.METRIC_PREFIX}missing_rows"] > 0  # at least each sample's last token
         assert row[f"{fe.METRIC_PREFIX}router_disagreement"] > 0.0  # what bf16 rollout vs fp32 training would change
+        # every row a trained log-prob depends on was replayed (the missing ones are last tokens: not needed)
+        assert row[f"{fe.METRIC_PREFIX}coverage/response_replayed"] == 1.0
+        assert row[f"{fe.METRIC_PREFIX}coverage/prompt_replayed"] == 1.0
+        assert row[f"{fe.METRIC_PREFIX}coverage/not_needed"] > 0.0 and row["stable/guard/replay_coverage"] == 0.0
         transport = {k.removeprefix(rollout.TRANSPORT_METRIC_PREFIX): v for k, v in row.items() if "transport/" in k}
         assert transport["prompt_groups_shared"] == 4.0  # 4 prompts x rollout.n = 4: each prompt's rows put once
         assert transport["prompt_rows_deduplicated"] > 0 and transport["prompt_rows_differ"] < transport["samples"]

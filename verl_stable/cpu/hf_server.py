@@ -53,7 +53,11 @@ class HFRolloutServer:
         max_len = self.config.max_model_len or (self.config.prompt_length + self.config.response_length)
         self.max_model_len = int(min(max_len, getattr(hf_config, "max_position_embeddings", max_len)))
         self.sampler = KVCachedSampler(self.model, self.max_model_len, _eos_ids(self.model_config, hf_config))
-        self.routing = routing_exporter(self.model) if self.config.enable_rollout_routing_replay else None
+        self.routing = (
+            routing_exporter(self.model, corrupt_every=self.options.corrupt_routing_every)  # fault injection: tests
+            if self.config.enable_rollout_routing_replay
+            else None
+        )
         batched = self.routing is None or self.routing.batched
         self.batcher = RequestBatcher(
             self._generate_batch, key=lambda request: len(request[0]), max_batch_size=self.options.max_batch_size
