@@ -2,8 +2,9 @@
 # The whole test suite, with the repository's .venv (create it with scripts/install_cpu.sh).
 # Test files run on VERL_STABLE_TEST_WORKERS pytest-xdist workers (default: 2 on a host with >= 2 cores, else 1);
 # `--dist loadfile` keeps a file on one worker, so a module's shared verl run starts once. Most of the suite's time is
-# the end-to-end runs of verl, which are CPU-bound: on a 2-core host two workers gain little (576 tests: 21m43s with
-# two; 478 tests took 20m09s with one), on more cores they overlap. Extra arguments go to pytest (`-n 0`: one process).
+# the end-to-end runs of verl (and of vLLM's CPU build), which are CPU-bound: on a 2-core host two workers gain little
+# (1057 tests: 12m49s with two on an idle 2-core host, 14m35s with the install), on more cores they overlap. Extra
+# arguments go to pytest (`-n 0`: one process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
