@@ -1,7 +1,10 @@
 """How often rollout precision flips MoE routing, and how far it moves the token distribution (CPU).
 
-For each precision ``p`` in bf16, fp16 and fp8 weights (``verl_stable.cpu.precision``: what the ``hf`` rollout
-backend samples with) a copy of an fp32 model is run on the same tokens as the fp32 original. Reported against fp32:
+For each rollout setting -- a precision ``p`` of ``verl_stable.cpu.precision`` (bf16, fp16, fp8 weights, fp8
+weights + activations ``fp8_w8a8``, ``int4`` weights: what the ``hf`` rollout backend samples with), optionally with
+the inference-only router perturbation written ``p@sigma`` (``fp8@0.3``: fp8 weights, routers perturbed by
+``0.3 * rms(W_g) * E``, labelled as the stand-in it is) -- a copy of an fp32 model is run on the same tokens as the
+fp32 original. Reported against fp32:
 
 * routing flips: the fraction of (token, MoE layer) decisions whose top-k expert *set* differs
   (``verl_stable.routing.capture`` + ``routing_disagreement``), and the fraction of tokens with a flip in any layer;
@@ -22,6 +25,7 @@ Usage:
     python benchmarks/bench_precision_flips.py --init 0.1 --hidden 128  # a configurable random model
     python benchmarks/bench_precision_flips.py --checkpoint DIR      # a saved HF model (e.g. the lab's cold start)
     python benchmarks/bench_precision_flips.py --checkpoint DIR --tokens random
+    python benchmarks/bench_precision_flips.py --checkpoint DIR --precisions fp8 fp8_w8a8 int4 fp8@0.1 fp8@0.3
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from verl_stable.cpu.precision import PRECISIONS as ALL_PRECISIONS
 from verl_stable.cpu.precision import precision_copy
 from verl_stable.routing import bind_model, capture, routing_disagreement
 
@@ -168,7 +173,7 @@ def precision_mismatch(
     )
     results = {}
     for precision in precisions:
-        model = precision_copy(reference, precision)
+        model = precision_copy(reference, *parse_setting(precision))
         logp, trace, z = _forward(model, ids, attn)
         logp = logp.reshape(-1, logp.shape[-1])[valid][scored_rows]
         dz = torch.stack([(zp[valid] - zr).abs().amax(-1) for zp, zr in zip(z, z_ref, strict=True)])
@@ -192,6 +197,25 @@ def precision_mismatch(
     return results
 
 
+def parse_setting(spec: str) -> tuple[str, float]:
+    """``"fp8"`` -> ``("fp8", 0.0)``; ``"fp8@0.3"`` -> ``("fp8", 0.3)`` (precision, router perturbation sigma)."""
+    precision, _, sigma = spec.partition("@")
+    if precision not in ALL_PRECISIONS:
+        raise argparse.ArgumentTypeError(f"unknown precision {precision!r}; expected one of {ALL_PRECISIONS}")
+    try:
+        noise = float(sigma) if sigma else 0.0
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"router perturbation in {spec!r} is not a number") from None
+    if not noise >= 0:
+        raise argparse.ArgumentTypeError(f"router perturbation in {spec!r} must be >= 0")
+    return precision, noise
+
+
+def _setting(spec: str) -> str:
+    parse_setting(spec)
+    return spec
+
+
 def summarize(runs: list[dict[str, dict[str, float]]], precisions: Sequence[str], title: str) -> None:
     """Print one row per precision: mean [min, max] over seeds of every metric."""
     print(title)
@@ -203,13 +227,15 @@ def summarize(runs: list[dict[str, dict[str, float]]], precisions: Sequence[str]
             values = [r[p][key] for r in runs]
             mean = statistics.fmean(values)
             cells.append(f"{fmt.format(mean)} [{fmt.format(min(values))}, {fmt.format(max(values))}]")
-        print(f"  {p:9s} | " + " | ".join(cells))
+        print(f"  {p:12s} | " + " | ".join(cells))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
-    parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
+    parser.add_argument(
+        "--precisions", nargs="+", default=list(PRECISIONS), type=_setting, help="settings p or p@sigma (see above)"
+    )
     parser.add_argument("--checkpoint", default=None, help="HF model directory (default: a random Qwen3-MoE)")
     parser.add_argument(
         "--tokens",

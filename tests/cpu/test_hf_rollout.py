@@ -23,13 +23,16 @@ def test_options_from_verl_knobs():
 def test_the_command_line_precisions_are_the_backends():
     from verl_stable.cpu import hf_options, precision
 
-    assert set(hf_options.PRECISIONS) == set(precision.PRECISIONS) and len(hf_options.PRECISIONS) == 4
+    assert set(hf_options.PRECISIONS) == set(precision.PRECISIONS) and len(hf_options.PRECISIONS) == 6
 
 
 @pytest.mark.parametrize(
     ("cfg", "match"),
     [
-        ({"engine_kwargs": {"hf": {"precision": "int4"}}}, "unknown rollout precision"),
+        ({"engine_kwargs": {"hf": {"precision": "int3"}}}, "unknown rollout precision"),
+        ({"engine_kwargs": {"hf": {"router_noise": -0.1}}}, "router_noise must be a finite number >= 0"),
+        ({"engine_kwargs": {"hf": {"router_noise": float("nan")}}}, "router_noise must be a finite number >= 0"),
+        ({"engine_kwargs": {"hf": {"router_noise": "0.1"}}}, "router_noise must be a finite number >= 0"),
         ({"engine_kwargs": {"hf": {"bogus": 1}}}, "unknown rollout.engine_kwargs.hf options"),
         ({"dtype": "float64"}, "not supported by the hf backend"),
         ({"engine_kwargs": {"hf": {"max_batch_size": 0}}}, "max_batch_size must be >= 1"),

@@ -115,7 +115,7 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="staleness N"):
         _ov("minirl", 3)
     with pytest.raises(ValueError, match="precision"):
-        _ov("minirl", precision="int4")
+        _ov("minirl", precision="int3")
     with pytest.raises(ValueError, match="not key=value"):
         V.as_dict(["a.b"])
     assert V.format_value(None) == "null" and V.format_value(True) == "true" and V.format_value(0.5) == "0.5"

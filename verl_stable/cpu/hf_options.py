@@ -4,8 +4,10 @@ The schema (:class:`HFOptions`) and its reader (:func:`resolve_options`) are all
 backend, so they live apart from the server and the replica: :mod:`verl_stable.recipes` checks a composed config with
 them before any run starts, without importing torch or verl's rollout classes.
 
-Options: ``precision`` (fp32 | bf16 | fp16 | fp8; default from ``rollout.dtype``, or fp8 when
-``rollout.quantization=fp8``), ``sync_weights`` (default true; false keeps the rollout at its initial weights -- a
+Options: ``precision`` (fp32 | bf16 | fp16 | fp8 | fp8_w8a8 | int4, see :mod:`verl_stable.cpu.precision`; default
+from ``rollout.dtype``, or fp8 when ``rollout.quantization=fp8``), ``router_noise`` (default 0: off; sigma of the
+fixed inference-only router-weight perturbation of :func:`verl_stable.cpu.precision.router_perturbation`, a stand-in
+for a large MoE's routing mismatch, not a numeric format), ``sync_weights`` (default true; false keeps the rollout at its initial weights -- a
 deliberate-drift control), ``num_threads`` (torch threads in the server, default: torch's), ``max_batch_size``
 (default 64: concurrent requests with prompts of one length are sampled as one batch, see
 :mod:`verl_stable.cpu.batching`; 1 samples one request at a time).
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 BACKEND = "hf"
-PRECISIONS = ("fp8", "bf16", "fp16", "fp32")
+PRECISIONS = ("fp8", "bf16", "fp16", "fp32", "fp8_w8a8", "int4")
 """Rollout precisions the ``hf`` backend serves, in the order the command lines offer them."""
 
 _DTYPE_TO_PRECISION = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16"}
@@ -38,6 +40,7 @@ class HFOptions:
     num_threads: int | None = None
     max_batch_size: int = 64
     corrupt_routing_every: int = 0  # FAULT INJECTION for tests: every k-th request returns malformed routing
+    router_noise: float = 0.0  # inference-only router perturbation (sigma relative to the router weight's rms)
 
 
 def resolve_options(config: Any) -> HFOptions:
@@ -77,12 +80,16 @@ def resolve_options(config: Any) -> HFOptions:
             "rollout.engine_kwargs.hf.corrupt_routing_every (fault injection) must be an int >= 0 (0: off), got "
             f"{corrupt_every!r}"
         )
+    noise = raw.get("router_noise", HFOptions.router_noise)
+    if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not 0 <= noise < float("inf"):
+        raise ValueError(f"rollout.engine_kwargs.hf.router_noise must be a finite number >= 0 (0: off), got {noise!r}")
     return HFOptions(
         precision,
         bool(raw.get("sync_weights", True)),
         int(threads) if threads else None,
         max_batch,
         corrupt_routing_every=corrupt_every,
+        router_noise=float(noise),
     )
 
 

@@ -38,7 +38,7 @@ class HFRolloutServer:
         from verl.utils.config import omega_conf_to_dataclass
         from verl.workers.config import HFModelConfig
 
-        from verl_stable.cpu.precision import apply_precision_
+        from verl_stable.cpu.precision import apply_precision_, perturb_routers_
 
         self.config = omega_conf_to_dataclass(config)
         self.model_config = omega_conf_to_dataclass(model_config, dataclass_type=HFModelConfig)
@@ -49,6 +49,7 @@ class HFRolloutServer:
         path = self.model_config.local_path or self.model_config.path
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
         self.model = apply_precision_(model, self.options.precision).eval()
+        perturb_routers_(self.model, self.options.router_noise)  # 0: off (an inference-only stand-in, see options)
         hf_config = self.model.config
         max_len = self.config.max_model_len or (self.config.prompt_length + self.config.response_length)
         self.max_model_len = int(min(max_len, getattr(hf_config, "max_position_embeddings", max_len)))
@@ -145,7 +146,7 @@ class HFRolloutServer:
         def _load() -> int:
             with self._lock:
                 if self._loader is None:
-                    self._loader = WeightLoader(self.model, self.options.precision)
+                    self._loader = WeightLoader(self.model, self.options.precision, self.options.router_noise)
                 for name, tensor in named:
                     self._loader.load(name, tensor)
                 return len(named)

@@ -2,7 +2,8 @@
 
 verl's weight sync hands the rollout unfused MoE experts under vLLM names (``...mlp.experts.{e}.gate_proj.weight``);
 transformers 5 keeps them fused as ``gate_up_proj`` [E, 2I, H] (gate rows first) and ``down_proj`` [E, H, I].
-:class:`WeightLoader` writes each incoming tensor into its slice of the fused parameter, re-quantising fp8 rows.
+:class:`WeightLoader` writes each incoming tensor into its slice of the fused parameter, re-quantising its rows (fp8,
+fp8_w8a8, int4) and re-adding the fixed inference-only router perturbation when one is configured.
 """
 
 from __future__ import annotations
@@ -11,7 +12,14 @@ import re
 
 import torch
 
-from verl_stable.cpu.precision import canonical_precision, dequantize_fp8_rows, fp8_weight_names, quantize_fp8_rows
+from verl_stable.cpu.precision import (
+    QUANTISED,
+    canonical_precision,
+    fp8_weight_names,
+    is_router_weight,
+    quantize_weight,
+    router_perturbation,
+)
 
 EXPERT_NAME_RE = re.compile(
     r"^(?P<base>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
@@ -27,11 +35,12 @@ class WeightLoader:
     tensor.
     """
 
-    def __init__(self, model: torch.nn.Module, precision: str) -> None:
+    def __init__(self, model: torch.nn.Module, precision: str, router_noise: float = 0.0) -> None:
         self.params = dict(model.named_parameters())
         self.params.update(dict(model.named_buffers()))
         self.precision = canonical_precision(precision)
-        self.fp8_names = set(fp8_weight_names(model)) if self.precision == "fp8" else set()
+        self.fp8_names = set(fp8_weight_names(model)) if self.precision in QUANTISED else set()
+        self.router_noise = float(router_noise)
         self.loaded: set[str] = set()
 
     def target(self, name: str) -> tuple[str, tuple]:
@@ -69,6 +78,8 @@ class WeightLoader:
             )
         value = tensor.detach().to(device=dst.device)
         if target_name in self.fp8_names:
-            value = dequantize_fp8_rows(*quantize_fp8_rows(value), dtype=dst.dtype)
+            value = quantize_weight(value, self.precision, dst.dtype)
+        if self.router_noise and is_router_weight(target_name):
+            value = value.float() + router_perturbation(target_name, value, self.router_noise).float()
         dst.copy_(value.to(dst.dtype))
         self.loaded.add(target_name)

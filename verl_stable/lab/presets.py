@@ -47,6 +47,9 @@ class Preset:
         max_response_length: response token budget (answers are one digit + end of turn).
         coldstart: cold-start settings.
         engine: rollout engine, ``hf`` (the project's backend) or ``vllm`` (verl's vLLM rollout on vLLM's CPU build).
+        top_k: experts per token of the tiny MoE (its ``num_experts_per_tok``; 16 experts).
+        router_noise: sigma of the ``hf`` rollout's inference-only router perturbation (0: off); a labelled stand-in
+            for a large MoE's routing mismatch (:func:`verl_stable.cpu.precision.router_perturbation`).
     """
 
     name: str
@@ -60,6 +63,8 @@ class Preset:
     max_response_length: int = 4
     coldstart: ColdStartConfig = field(default_factory=ColdStartConfig)
     engine: str = "hf"
+    top_k: int = 4
+    router_noise: float = 0.0
 
     def __post_init__(self) -> None:
         if self.steps < 1 or not self.seeds or not self.runs:
@@ -79,6 +84,12 @@ class Preset:
                 raise ValueError(f"preset {self.name!r}: N must be one of {V.STALENESS_CHOICES}, got {n}")
         if self.precision not in V.PRECISIONS:
             raise ValueError(f"precision must be one of {V.PRECISIONS}, got {self.precision!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 1 <= self.top_k <= 16:
+            raise ValueError(f"preset {self.name!r}: top_k must be an int in [1, 16] (16 experts), got {self.top_k!r}")
+        if not 0 <= self.router_noise < float("inf"):
+            raise ValueError(f"preset {self.name!r}: router_noise must be a finite number >= 0, got {self.router_noise}")
+        if self.router_noise and self.engine != "hf":
+            raise ValueError(f"preset {self.name!r}: router_noise is an hf-backend option, engine is {self.engine!r}")
         from verl_stable.cpu import launch
 
         launch.engine_overrides(self.engine, self.precision, True)  # ValueError: unknown engine, precision it lacks

@@ -164,11 +164,18 @@ def prepare(out: Path, preset: Preset) -> tuple[Assets, ColdStartResult]:
     """Tiny assets for the preset's task and the cold-started model (both cached under ``out``)."""
     from verl_stable.cpu.launch import asset_spec
 
-    spec = asset_spec(preset.engine, preset.task)
-    # each engine's model has its own shape (vLLM's CPU attention needs head size 32): its own assets and cold start
-    assets = ensure_assets(out / ("assets" if preset.engine == "hf" else f"assets_{preset.engine}"), spec)
+    spec = replace(asset_spec(preset.engine, preset.task), num_experts_per_tok=preset.top_k)
+    # each engine's model has its own shape (vLLM's CPU attention needs head size 32), and each top-k its own routers:
+    # their own assets and cold start
+    assets = ensure_assets(out / asset_dir_name(preset), spec)
     cs = cold_start(assets, spec, out / "coldstart", preset.coldstart)
     return replace(assets, model_dir=cs.model_dir), cs
+
+
+def asset_dir_name(preset: Preset) -> str:
+    """``assets`` for the hf engine at top-4; ``assets_vllm``, ``assets_top2``, ``assets_vllm_top2`` otherwise."""
+    name = "assets" if preset.engine == "hf" else f"assets_{preset.engine}"
+    return name if preset.top_k == 4 else f"{name}_top{preset.top_k}"
 
 
 def default_jobs() -> int:
@@ -270,6 +277,7 @@ def run_sweep(
             group_size=preset.group_size,
             precision=preset.precision,
             engine=preset.engine,
+            router_noise=preset.router_noise,
             seed=spec.seed,
             max_response_length=preset.max_response_length,
             workdir=run_dir,

@@ -40,6 +40,7 @@ LOSS_AGG_MODE = "actor_rollout_ref.actor.loss_agg_mode"
 ADV_ESTIMATOR = "algorithm.adv_estimator"
 ROLLOUT_SEED = "actor_rollout_ref.rollout.seed"
 PRECISION = "+actor_rollout_ref.rollout.engine_kwargs.hf.precision"
+ROUTER_NOISE = "+actor_rollout_ref.rollout.engine_kwargs.hf.router_noise"
 REWARD_PATH = "reward.custom_reward_function.path"
 REWARD_NAME = "reward.custom_reward_function.name"
 GUARD_ACTIONS = (
@@ -157,13 +158,15 @@ def run_overrides(
     reward_path: str | Path | None = None,
     workdir: str | Path | None = None,
     engine: str = "hf",
+    router_noise: float = 0.0,
 ) -> list[str]:
     """The full ``main_ppo`` argument list of one lab run: recipe, CPU runtime, geometry, common and variant switches.
 
     The staleness is set by ``data.train_batch_size = N * mini_batch_prompts`` with ``ppo_epochs = 1`` (the recipes'
     definition of N). The rollout runs ``engine`` at ``precision``: the ``hf`` backend with fp8 weights by default (the
     "inference engine"), or verl's own vLLM rollout on vLLM's CPU build (``engine="vllm"``, fp32 or bf16); the actor
-    trains in fp32.
+    trains in fp32. ``router_noise`` > 0 perturbs the ``hf`` rollout's routers (inference only; a labelled stand-in for
+    a large MoE's routing mismatch).
 
     Raises:
         ValueError: Unknown variant, N not in {1, 2, 4, 8}, an unknown precision, or one the engine does not offer.
@@ -202,4 +205,8 @@ def run_overrides(
         lab["trainer.default_local_dir"] = str(Path(workdir) / "checkpoints")
     kept = [item for item in base if override_key(item) not in lab and override_key(item) != override_key(PRECISION)]
     engine_precision = [f"{PRECISION}={precision}"] if engine == "hf" else []  # vllm: rollout.dtype, set in base
+    if router_noise:
+        if engine != "hf":
+            raise ValueError(f"router_noise is an option of the hf rollout backend, not of {engine!r}")
+        engine_precision.append(f"{ROUTER_NOISE}={float(router_noise)}")
     return args + kept + [f"{k}={format_value(v)}" for k, v in lab.items()] + engine_precision
