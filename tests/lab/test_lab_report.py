@@ -1,4 +1,4 @@
-"""The lab report on synthetic rows: summaries against hand-computed values, findings, plots, bad input."""
+"""The lab report on synthetic rows: summaries against hand-computed values, the answer table, figures, bad input."""
 
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ def test_run_summary_matches_hand_computation():
     runs = R.group_runs(_rows())
     s = R.summarize_run(runs[("minirl", 1, 0)])
     assert (s.final_reward, s.best_reward, s.steps) == (0.4, 0.5, 3)
+    assert s.late_reward == pytest.approx(0.45)  # last half of 3 steps: steps 2 and 3
     assert s.final_entropy == pytest.approx(1.7)
     assert s.kl_k3 == pytest.approx(2e-3)
     assert s.f2 == pytest.approx(0.01)
@@ -68,69 +69,80 @@ def test_run_summary_matches_hand_computation():
     assert r3.routing_disagreement == 0.0 and r3.router_disagreement == pytest.approx(0.12)
 
 
-def test_seeds_are_averaged_per_cell():
+def test_seeds_are_kept_per_cell_with_an_interval():
     rows = [_row("vespo", 8, 1, 0.2, seed=0), _row("vespo", 8, 2, 0.6, seed=0), _row("vespo", 8, 1, 0.4, seed=1)]
     (cell,) = R.summarize(rows)
     assert (cell.seeds, cell.steps) == (2, 1)
-    assert cell.values["final_reward"] == pytest.approx((0.6 + 0.4) / 2)
-    assert cell.values["best_reward"] == pytest.approx((0.6 + 0.4) / 2)
+    assert cell.per_seed["final_reward"] == {0: 0.6, 1: 0.4}
+    assert cell.per_seed["late_reward"] == {0: 0.6, 1: 0.4}  # last half of 2 steps: step 2; of 1 step: step 1
+    iv = cell.interval("final_reward")
+    # mean 0.5, sample sd 0.1414, t_{0.975, 1} = 12.706: half-width 12.706 * 0.1414 / sqrt(2) = 1.2706
+    assert iv.mean == pytest.approx(0.5) and iv.hi - iv.mean == pytest.approx(1.2706, abs=1e-3)
 
 
-def test_findings_follow_the_numbers():
-    text = "\n".join(R.findings(R.summarize(_rows())))
-    assert "late reward MiniRL 0.450 vs without IS 0.150" in text and "consistent with the paper" in text
-    assert "MiniRL ahead by > 0.141" in text  # 2 * sqrt(0.05^2 + 0.05^2): two standard errors of the gap
+def _seeded(variant, n, kl, reward, clip=0.02, seeds=(0, 1, 2), steps=2):
+    """Rows of ``len(seeds)`` runs whose per-seed KL, reward and clip fraction are the given sequences."""
+    rows = []
+    for i, seed in enumerate(seeds):
+        for step in range(1, steps + 1):
+            extra = {"stable/train_inf/kl_k3": kl[i], "actor/pg_clipfrac": clip if isinstance(clip, float) else clip[i]}
+            rows.append(_row(variant, n, step, reward[i], seed=seed, **extra))
+    return rows
+
+
+def test_answer_table_states_a_switch_only_where_intervals_separate():
+    rows = _seeded("minirl", 4, kl=[1e-3, 1.2e-3, 0.9e-3], reward=[0.3, 0.5, 0.4], clip=[0.03, 0.035, 0.032])
+    rows += _seeded("minirl_r3", 4, kl=[2e-5, 3e-5, 2.5e-5], reward=[0.35, 0.45, 0.5], clip=[0.02, 0.021, 0.019])
+    results = R.switch_results(R.summarize(rows))
+    (r3,) = results
+    verdicts = {c.metric: c.verdict for c, _ in r3.comparisons}
+    assert verdicts == {"kl_k3": "lower", "clip_frac": "lower", "late_reward": "no effect"}  # no entropy logged
+    table = R.answer_table(results)
+    assert "| off-policy N = 4: mismatch + staleness | R3 | **yes** |" in table
+    assert "KL(mu‖pi_old) k3 2.5e-05 [" in table and "41x lower" in table  # 1.033e-3 / 2.5e-5
+    assert "Welch t = -11.43" in table
+    lines = "\n".join(R.comparison_lines(results))
+    # reward: per-seed differences +0.05, -0.05, +0.10 change sign: no effect whatever the means say
+    assert "late reward" in lines and "the per-seed difference changes sign across seeds" in lines
+
+
+def test_a_switch_that_moves_nothing_is_no_effect_and_one_seed_gives_no_finding():
+    rows = _seeded("minirl", 1, kl=[1e-3, 2e-3, 3e-3], reward=[0.3, 0.5, 0.4])
+    rows += _seeded("reinforce_no_is", 1, kl=[1.1e-3, 1.9e-3, 3.2e-3], reward=[0.31, 0.45, 0.42])
+    table = R.answer_table(R.switch_results(R.summarize(rows)))
+    assert "| on-policy (N = 1): train-inference mismatch only | IS weight | no effect measured |" in table
+    one = _seeded("minirl", 4, kl=[1e-3], reward=[0.3], seeds=(0,)) + _seeded(
+        "minirl_r3", 4, kl=[1e-5], reward=[0.9], seeds=(0,)
+    )
+    table = R.answer_table(R.switch_results(R.summarize(one)))
+    assert "no effect measured" in table and "fewer than 2 seeds" in table and "**yes**" not in table
+
+
+def test_a_switch_that_hurts_is_reported_as_such():
+    rows = _seeded("minirl", 4, kl=[1e-3] * 3, reward=[0.6, 0.62, 0.61])
+    rows += _seeded("vespo", 4, kl=[1e-3] * 3, reward=[0.2, 0.21, 0.25])
+    table = R.answer_table(R.switch_results(R.summarize(rows)))
+    assert "| VESPO | no: it hurts |" in table and "late reward" in table
+
+
+def test_observations_follow_the_numbers():
+    text = "\n".join(R.observations(R.summarize(_rows())))
     assert "routing disagreement with the rollout 0.000" in text and "replay works: yes" in text
     assert "Guard fired in: reinforce_no_is N=1 (entropy_collapse)" in text
-    assert "Without replay (minirl, N=4) the policy updates routed 0.100 of the" in text
-    assert "ranges from 0.00010 (minirl_r3 N=4) to 0.00200 (minirl N=1); F(2) is at most 0.0100" in text
-    flipped = [dict(r, **{"critic/score/mean": 0.3}) for r in _rows()]
-    text = "\n".join(R.findings(R.summarize(flipped)))
-    assert "NOT reproduced" in text and "Guard fired" in text
+    assert "Without replay (minirl, N=4) the updates routed 0.100 of the" in text
 
 
-def test_offpolicy_comparison_names_the_direction():
-    rows = [_row("minirl", 4, 1, 0.2), _row("minirl_r2", 4, 1, 0.5), _row("vespo", 4, 1, 0.21)]
-    text = "\n".join(R.findings(R.summarize(rows)))
-    assert "minirl_r2 vs MiniRL at N=4: late reward 0.500 vs 0.200" in text and "minirl_r2 ahead" in text
-    assert "vespo vs MiniRL at N=4" in text and "not visible at this scale" in text
-
-
-def test_a_direction_from_one_seed_is_flagged_as_not_evidence():
-    one = [_row("minirl", 4, 1, 0.2), _row("minirl_r3", 4, 1, 0.6)]
-    text = "\n".join(R.findings(R.summarize(one)))
-    assert "minirl_r3 ahead" in text and "with one seed per variant this is not evidence" in text
-    two = one + [_row("minirl", 4, 1, 0.2, seed=1), _row("minirl_r3", 4, 1, 0.6, seed=1)]
-    text = "\n".join(R.findings(R.summarize(two)))
-    assert "minirl_r3 ahead" in text and "not evidence" not in text
-    # no direction claimed: nothing to qualify
-    flat = [_row("minirl", 4, 1, 0.2), _row("minirl_r3", 4, 1, 0.21)]
-    assert "not evidence" not in "\n".join(R.findings(R.summarize(flat)))
-
-
-def test_noise_margin_comes_from_the_standard_errors():
-    rows = [_row("minirl", 4, s, r) for s, r in enumerate([0.0, 0.0, 0.2, 0.6], start=1)]
-    rows += [_row("minirl_r3", 4, s, r) for s, r in enumerate([0.0, 0.0, 0.5, 0.7], start=1)]
-    cells = {c.variant: c for c in R.summarize(rows)}
-    assert cells["minirl"].values["late_reward"] == pytest.approx(0.4)
-    assert cells["minirl"].values["late_reward_se"] == pytest.approx(0.2)  # sample std 0.2828 / sqrt(2)
-    gap, margin = R.compare_late_reward(cells["minirl_r3"], cells["minirl"])
-    assert gap == pytest.approx(0.2) and margin == pytest.approx(2 * (0.2**2 + 0.1**2) ** 0.5)
-    text = "\n".join(R.findings(list(cells.values())))
-    assert "minirl_r3 vs MiniRL at N=4: late reward 0.600 vs 0.400" in text and "not visible at this scale" in text
-    assert "| minirl | 4 | 1 | 4 | 0.600 | 0.600 | 0.400 ± 0.200 |" in R.table(list(cells.values()))
-
-
-def test_report_and_plots_are_written(tmp_path):
+def test_report_starts_with_the_answer_and_has_one_figure_per_regime(tmp_path):
     rows = _rows()
     path = R.write_report(rows, tmp_path, {"preset": "synthetic"})
     text = path.read_text()
+    assert text.index("## The answer") < text.index("## Setup") < text.index("## Results per variant")
     assert "- preset: synthetic" in text
-    assert text.count("\n| ") == 1 + 4  # header + one row per (variant, N)
-    for name in R.PLOTTED:
-        png = tmp_path / "plots" / f"{name}.png"
+    for n in (1, 4):
+        png = tmp_path / "plots" / f"regime_N{n}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        assert f"(plots/{name}.png)" in text
+        assert f"(plots/regime_N{n}.png)" in text
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["regime_N1.png", "regime_N4.png"]
 
 
 def test_metric_ignores_missing_and_nonfinite():

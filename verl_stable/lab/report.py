@@ -1,22 +1,21 @@
-"""The lab's report: per-step metric rows in, a markdown report and PNG curves out (pure: no verl, no runs).
+"""The lab's report: per-step metric rows in, a markdown report and PNG figures out (pure: no verl, no runs).
 
 Input rows are verl's logged metrics per step, tagged with ``variant``, ``staleness`` and ``seed`` (see
-:func:`verl_stable.lab.sweep.tag_rows`). Every metric is read under the name verl / verl-stable logs it
-(:data:`METRICS`, first key present wins). Per (variant, N) the table gives, averaged over seeds:
+:func:`verl_stable.lab.results.tag_rows`). Every metric is read under the name verl / verl-stable logs it
+(:data:`METRICS`, first key present wins).
 
-* reward: final (last step), best (max over steps) and late (mean over the last half of the steps, with its standard
-  error over those steps and seeds) of the mean batch reward ``critic/score/mean``;
-* entropy: final mean token entropy of the policy (``stable/entropy/mean``);
-* KL(mu || pi_old), k3 estimator ``E_mu[r - 1 - log r]`` with ``r = pi_old / mu``: mean over steps;
-* F(2): fraction of tokens with ``pi_old / mu`` outside ``[1/2, 2]``: mean over steps;
-* routing disagreement: fraction of (token, MoE layer) rows whose used experts differ from the rollout's (or pi_old's
-  under R2), and the router's own disagreement (what replay hides): means over steps;
-* clip fraction (``actor/pg_clipfrac``, or MiniRL's masked fractions): mean over steps;
-* guard: the rules of the monitor's guard that fired on any step.
+Each run is summarised by one number per metric (:func:`summarize_run`): late reward (mean batch reward
+``critic/score/mean`` over the last half of the steps), final entropy (``stable/entropy/mean``), and means over the
+steps of KL(mu || pi_old) (k3, ``E_mu[r - 1 - log r]``, ``r = pi_old / mu``), F(2) (fraction of tokens with
+``pi_old / mu`` outside ``[1/2, 2]``), the routing disagreement (rows whose used experts differ from the rollout's, or
+pi_old's under R2), the router's own disagreement (what replay hides) and the clipped fraction. A (variant, N) cell
+holds one such number per seed; the report gives their mean and 95 % interval.
 
-The closing section compares the numbers against the paper's findings with explicit, printed criteria: a reward gap
-counts only beyond two standard errors of the difference of the late means (and at least :data:`REWARD_MARGIN`);
-nothing is concluded that the numbers do not show.
+The report starts with the answer: for each regime (a staleness N) and each switch of the paper (the IS weight, R2,
+R3, VESPO), whether the switch changed what it should, by the rule of :mod:`verl_stable.lab.stats` (intervals
+separated, every seed agreeing; Welch's test printed beside it). Then the table per cell, the comparisons in full,
+and one figure per regime: reward, entropy, KL(mu||pi_old), clipped fraction and routing disagreement per step, the
+mean over seeds with the band from the lowest to the highest seed.
 """
 
 from __future__ import annotations
@@ -26,6 +25,9 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from verl_stable.lab import stats
+from verl_stable.lab.stats import Comparison, Interval
 
 METRICS: dict[str, tuple[str, ...]] = {
     "reward": ("critic/score/mean", "critic/rewards/mean"),
@@ -38,10 +40,8 @@ METRICS: dict[str, tuple[str, ...]] = {
 }
 GUARD_PREFIX = "stable/guard/"
 MINIRL_MASKED = ("actor/MiniRL/masked_frac_low", "actor/MiniRL/masked_frac_high")
-PLOTTED = ("reward", "entropy", "kl_k3", "routing_disagreement")
+PLOTTED = ("reward", "entropy", "kl_k3", "clip_frac", "routing_disagreement")
 REQUIRED_FIELDS = ("variant", "staleness", "seed", "step")
-REWARD_MARGIN = 0.05  # floor of the gap called a difference (binary reward, small batches: noisy)
-NOISE_Z = 2.0  # a gap counts when it exceeds NOISE_Z standard errors of the difference (and REWARD_MARGIN)
 
 
 def metric(row: Mapping, name: str) -> float | None:
@@ -68,17 +68,6 @@ def check_rows(rows: Sequence[Mapping]) -> None:
         seen.add(key)
 
 
-def _mean_se(xs: Sequence[float]) -> tuple[float | None, float | None]:
-    """Mean and its standard error ``std / sqrt(k)`` (sample std, ``k - 1`` dof); se is None for fewer than 2 values."""
-    if not xs:
-        return None, None
-    m = sum(xs) / len(xs)
-    if len(xs) < 2:
-        return m, None
-    var = sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
-    return m, math.sqrt(var / len(xs))
-
-
 def _mean(xs: Iterable[float | None]) -> float | None:
     vals = [x for x in xs if x is not None]
     return sum(vals) / len(vals) if vals else None
@@ -101,6 +90,7 @@ class RunSummary:
     router_disagreement: float | None
     clip_frac: float | None
     guard_fired: tuple[str, ...]
+    late_reward: float | None = None
 
 
 def summarize_run(rows: Sequence[Mapping]) -> RunSummary:
@@ -123,6 +113,7 @@ def summarize_run(rows: Sequence[Mapping]) -> RunSummary:
         router_disagreement=_mean(metric(r, "router_disagreement") for r in rows),
         clip_frac=_mean(metric(r, "clip_frac") for r in rows),
         guard_fired=tuple(fired),
+        late_reward=_mean(metric(r, "reward") for r in rows[len(rows) // 2 :]),
     )
 
 
@@ -135,19 +126,8 @@ def group_runs(rows: Sequence[Mapping]) -> dict[tuple[str, int, int], list[Mappi
     return dict(runs)
 
 
-@dataclass(frozen=True)
-class CellSummary:
-    """A (variant, N) cell: run summaries averaged over seeds."""
-
-    variant: str
-    staleness: int
-    seeds: int
-    steps: int
-    values: dict[str, float | None]
-    guard_fired: tuple[str, ...]
-
-
 SUMMARY_FIELDS = (
+    "late_reward",
     "final_reward",
     "best_reward",
     "final_entropy",
@@ -157,6 +137,41 @@ SUMMARY_FIELDS = (
     "router_disagreement",
     "clip_frac",
 )
+LABELS = {
+    "late_reward": "late reward",
+    "final_reward": "final reward",
+    "best_reward": "best reward",
+    "final_entropy": "final entropy",
+    "kl_k3": "KL(mu‖pi_old) k3",
+    "f2": "F(2)",
+    "routing_disagreement": "routing disagreement",
+    "router_disagreement": "router's own disagreement",
+    "clip_frac": "clipped fraction",
+}
+
+
+@dataclass(frozen=True)
+class CellSummary:
+    """A (variant, N) cell: each metric's per-seed values (seed -> run summary value) and guard rules fired."""
+
+    variant: str
+    staleness: int
+    steps: int
+    per_seed: dict[str, dict[int, float]]
+    guard_fired: tuple[str, ...]
+
+    @property
+    def seeds(self) -> int:
+        return max((len(v) for v in self.per_seed.values()), default=0)
+
+    def interval(self, field: str) -> Interval | None:
+        """Mean and 95 % interval of ``field`` over the seeds (None when no run logged it)."""
+        values = self.per_seed.get(field) or {}
+        return stats.interval([values[s] for s in sorted(values)]) if values else None
+
+    def mean(self, field: str) -> float | None:
+        iv = self.interval(field)
+        return iv.mean if iv else None
 
 
 def summarize(rows: Sequence[Mapping]) -> list[CellSummary]:
@@ -165,43 +180,53 @@ def summarize(rows: Sequence[Mapping]) -> list[CellSummary]:
     for runs in group_runs(rows).values():
         s = summarize_run(runs)
         by_cell[(s.variant, s.staleness)].append(s)
-    late: dict[tuple[str, int], list[float]] = defaultdict(list)
-    for (variant, n, _), run_rows in group_runs(rows).items():
-        ordered = sorted(run_rows, key=lambda r: r["step"])
-        rewards = [x for x in (metric(r, "reward") for r in ordered[len(ordered) // 2 :]) if x is not None]
-        late[(variant, n)].extend(rewards)
     cells = []
     for (variant, n), runs in sorted(by_cell.items(), key=lambda kv: kv[0][1]):
-        values = {f: _mean(getattr(r, f) for r in runs) for f in SUMMARY_FIELDS}
-        values["late_reward"], values["late_reward_se"] = _mean_se(late[(variant, n)])
+        per_seed = {f: {r.seed: getattr(r, f) for r in runs if getattr(r, f) is not None} for f in SUMMARY_FIELDS}
         fired = tuple(sorted({g for r in runs for g in r.guard_fired}))
-        cells.append(CellSummary(variant, n, len(runs), min(r.steps for r in runs), values, fired))
+        cells.append(CellSummary(variant, n, min(r.steps for r in runs), per_seed, fired))
     return cells
 
 
 def _fmt(x: float | None, digits: int = 3) -> str:
+    """``x`` with ``digits`` decimals; ``digits = 0`` means two significant digits in scientific notation (KL)."""
     if x is None:
         return "-"
+    if digits == 0:
+        return f"{x:.1e}"
     if x != 0 and abs(x) < 10 ** (-digits):
         return f"{x:.1e}"
     return f"{x:.{digits}f}"
 
 
+def _fmt_iv(iv: Interval | None, digits: int = 3) -> str:
+    if iv is None:
+        return "-"
+    if iv.lo is None:
+        return _fmt(iv.mean, digits)
+    return f"{_fmt(iv.mean, digits)} [{_fmt(iv.lo, digits)}, {_fmt(iv.hi, digits)}]"
+
+
+TABLE_FIELDS = (
+    "late_reward",
+    "final_entropy",
+    "kl_k3",
+    "f2",
+    "clip_frac",
+    "routing_disagreement",
+    "router_disagreement",
+)
+DIGITS = {"kl_k3": 0, "f2": 4}  # 0: scientific (KL spans decades)
+
+
 def table(cells: Sequence[CellSummary]) -> str:
-    """The markdown table, one row per (variant, N)."""
-    head = (
-        "| variant | N | seeds | steps | final reward | best reward | late reward ± se | entropy | KL(mu‖pi_old) k3 | F(2) "
-        "| routing disagr. | router disagr. | clip frac | guard fired |"
-    )
-    lines = [head, "|" + "---|" * 14]
+    """The markdown table, one row per (variant, N): mean [95 % interval] over seeds of each run summary."""
+    head = "| variant | N | seeds | steps | " + " | ".join(LABELS[f] for f in TABLE_FIELDS) + " | guard fired |"
+    lines = [head, "|" + "---|" * (len(TABLE_FIELDS) + 5)]
     for c in cells:
-        v = c.values
+        values = " | ".join(_fmt_iv(c.interval(f), DIGITS.get(f, 3)) for f in TABLE_FIELDS)
         lines.append(
-            f"| {c.variant} | {c.staleness} | {c.seeds} | {c.steps} | {_fmt(v['final_reward'])} "
-            f"| {_fmt(v['best_reward'])} | {_fmt(v['late_reward'])} ± {_fmt(v['late_reward_se'])} "
-            f"| {_fmt(v['final_entropy'])} | {_fmt(v['kl_k3'], 5)} | {_fmt(v['f2'], 4)} "
-            f"| {_fmt(v['routing_disagreement'])} | {_fmt(v['router_disagreement'])} | {_fmt(v['clip_frac'])} "
-            f"| {', '.join(c.guard_fired) or 'no'} |"
+            f"| {c.variant} | {c.staleness} | {c.seeds} | {c.steps} | {values} | {', '.join(c.guard_fired) or 'no'} |"
         )
     return "\n".join(lines)
 
@@ -210,111 +235,167 @@ def _cell(cells: Sequence[CellSummary], variant: str, n: int | None = None) -> l
     return [c for c in cells if c.variant == variant and (n is None or c.staleness == n)]
 
 
-def compare_late_reward(a: CellSummary, b: CellSummary) -> tuple[float | None, float]:
-    """``(late reward of a - late reward of b, margin)``: the gap counts when ``|gap| > margin``.
+@dataclass(frozen=True)
+class Switch:
+    """A switch of the paper, as the lab measures it: variant ``a`` (switch on) against ``b`` (off)."""
 
-    ``margin = max(REWARD_MARGIN, NOISE_Z * sqrt(se_a^2 + se_b^2))`` with ``se`` the standard error of each late mean
-    (mean over the last half of the steps, pooled over seeds); without an se only the floor applies.
-    """
-    ra, rb = a.values.get("late_reward"), b.values.get("late_reward")
-    if ra is None or rb is None:
-        return None, REWARD_MARGIN
-    sa, sb = a.values.get("late_reward_se"), b.values.get("late_reward_se")
-    noise = NOISE_Z * math.sqrt((sa or 0.0) ** 2 + (sb or 0.0) ** 2)
-    return ra - rb, max(REWARD_MARGIN, noise)
+    name: str
+    a: str
+    b: str
+    question: str
 
 
-ONE_SEED_CAVEAT = (
-    "; but with one seed per variant this is not evidence: a rerun of the same seed repeats it exactly, and only other "
-    "seeds show how much a result varies (before rollouts were seeded per sample, two runs of one seed differed by "
-    "0.21 in late reward, docs/lab.md); rerun with --seeds 0 1 2"
+SWITCHES = (
+    Switch("IS weight", "minirl", "reinforce_no_is", "MiniRL's truncated train-inference IS weight vs none"),
+    Switch("R3", "minirl_r3", "minirl", "MiniRL + R3 (replay the rollout's routing) vs MiniRL"),
+    Switch("R2", "minirl_r2", "minirl", "MiniRL + R2 (replay pi_old's routing) vs MiniRL"),
+    Switch("R3 over R2", "minirl_r3", "minirl_r2", "R3 vs R2"),
+    Switch("VESPO", "vespo", "minirl", "VESPO (sequence-level reshaping) vs MiniRL"),
 )
-"""Appended to a reward verdict that points a direction when either side has a single seed: the margin only covers
-the noise within a run, not between runs."""
+# the metric and the direction in which the switch helps (the paper's claims: lower mismatch, fewer clipped tokens,
+# higher reward)
+JUDGED = (("kl_k3", "lower"), ("clip_frac", "lower"), ("late_reward", "higher"), ("final_entropy", None))
 
 
-def _caveat(a: CellSummary, b: CellSummary) -> str:
-    return ONE_SEED_CAVEAT if min(a.seeds, b.seeds) < 2 else ""
+@dataclass(frozen=True)
+class SwitchResult:
+    """One switch at one N: a comparison per judged metric."""
+
+    switch: Switch
+    staleness: int
+    comparisons: tuple[tuple[Comparison, str | None], ...]  # (comparison, the direction that helps)
+
+    def helps(self) -> list[Comparison]:
+        return [c for c, good in self.comparisons if good and c.verdict == good]
+
+    def hurts(self) -> list[Comparison]:
+        return [c for c, good in self.comparisons if good and c.is_finding and c.verdict != good]
 
 
-def findings(cells: Sequence[CellSummary]) -> list[str]:
-    """Sentences comparing the measured numbers with the paper's findings; each states its criterion."""
+def switch_results(cells: Sequence[CellSummary]) -> list[SwitchResult]:
+    """Every switch of :data:`SWITCHES` at every N where both of its variants ran."""
     out = []
-    for a in _cell(cells, "minirl"):
-        for b in _cell(cells, "reinforce_no_is", a.staleness):
-            gap, margin = compare_late_reward(a, b)
-            if gap is None:
+    for n in sorted({c.staleness for c in cells}):
+        for sw in SWITCHES:
+            on, off = _cell(cells, sw.a, n), _cell(cells, sw.b, n)
+            if not on or not off:
                 continue
-            verdict = (
-                "consistent with the paper (dropping the IS weight hurts)" + _caveat(a, b)
-                if gap > margin
-                else "the paper's collapse without the IS weight is NOT reproduced at this scale"
+            comps = []
+            for field, good in JUDGED:
+                a, b = on[0].per_seed.get(field) or {}, off[0].per_seed.get(field) or {}
+                if a and b:
+                    comps.append((stats.compare(field, sw.a, a, sw.b, b), good))
+            if comps:
+                out.append(SwitchResult(sw, n, tuple(comps)))
+    return out
+
+
+def regime_name(n: int) -> str:
+    """``on-policy (N = 1)`` or ``off-policy N = n``: the staleness regime of a cell."""
+    return "on-policy (N = 1): train-inference mismatch only" if n == 1 else f"off-policy N = {n}: mismatch + staleness"
+
+
+def _effect(c: Comparison) -> str:
+    iv = f"{_fmt_iv(c.ia, DIGITS.get(c.metric, 3))} vs {_fmt_iv(c.ib, DIGITS.get(c.metric, 3))}"
+    ratio = c.ratio
+    times = f", {ratio:.0f}x lower" if c.metric == "kl_k3" and c.verdict == "lower" and ratio and ratio >= 2 else ""
+    return f"{LABELS[c.metric]} {iv}{times}"
+
+
+def answer_table(results: Sequence[SwitchResult]) -> str:
+    """The headline: regime -> switch -> needed? -> the evidence (separated findings, or why none)."""
+    lines = ["| regime | switch | needed here? | evidence (mean [95 % interval] over seeds, switch on vs off) |"]
+    lines.append("|---|---|---|---|")
+    for r in results:
+        helps, hurts = r.helps(), r.hurts()
+        if helps and not hurts:
+            verdict = "**yes**"
+        elif hurts and not helps:
+            verdict = "no: it hurts"
+        elif helps and hurts:
+            verdict = "mixed"
+        else:
+            verdict = "no effect measured"
+        shown = helps + hurts
+        if shown:
+            evidence = "; ".join(f"{_effect(c)} ({c.test_text()})" for c in shown)
+        else:
+            few = all(c.verdict == "too few seeds" for c, _ in r.comparisons)
+            evidence = (
+                "fewer than 2 seeds: no interval (rerun with --seeds 0 1 2)"
+                if few
+                else (
+                    "no metric separated: "
+                    + "; ".join(f"{LABELS[c.metric]}: {c.reason}" for c, g in r.comparisons if g)
+                )
             )
+        lines.append(f"| {regime_name(r.staleness)} | {r.switch.name} | {verdict} | {evidence} |")
+    return "\n".join(lines)
+
+
+def comparison_lines(results: Sequence[SwitchResult]) -> list[str]:
+    """Every comparison in full: values, verdict, the rule that decided, the test."""
+    out = []
+    for r in results:
+        for c, good in r.comparisons:
+            verdict = {"lower": f"{r.switch.a} lower", "higher": f"{r.switch.a} higher"}.get(c.verdict, c.verdict)
+            role = "" if good is None else (" (helps)" if c.verdict == good else " (hurts)" if c.is_finding else "")
+            per_seed = ", ".join(f"{d:+.3g}" for d in c.diffs)
             out.append(
-                f"Train-inference IS weight, N={a.staleness}: late reward MiniRL {_fmt(a.values['late_reward'])} vs "
-                f"without IS {_fmt(b.values['late_reward'])} (final entropy {_fmt(a.values['final_entropy'])} vs "
-                f"{_fmt(b.values['final_entropy'])}); criterion: MiniRL ahead by > {_fmt(margin)}: {verdict}."
+                f"{r.switch.name}, N={r.staleness}, {LABELS[c.metric]}: {_effect(c)} -> **{verdict}**{role}: "
+                f"{c.reason}; per-seed differences [{per_seed}]; {c.test_text()}."
             )
+    return out
+
+
+def observations(cells: Sequence[CellSummary]) -> list[str]:
+    """What the cells show that is true by construction or descriptive (replay exactness, mismatch size, guard)."""
+    out = []
     for r3 in _cell(cells, "minirl_r3"):
-        d = r3.values["routing_disagreement"]
-        hidden = r3.values["router_disagreement"]
+        d, hidden = r3.mean("routing_disagreement"), r3.mean("router_disagreement")
         if d is not None:
             out.append(
-                f"R3, N={r3.staleness}: routing disagreement with the rollout {_fmt(d)} (0 by construction when the "
-                f"replay works: {'yes' if d == 0 else 'NO'}); the router's own choice would differ on {_fmt(hidden)} "
-                "of the rows (the train-inference routing mismatch the replay removes)."
+                f"R3, N={r3.staleness}: routing disagreement with the rollout {_fmt(d)} (0 when the replay works: "
+                f"{'yes' if d == 0 else 'NO'}); the router's own choice differs on {_fmt(hidden)} of the rows."
             )
-    for base in _cell(cells, "minirl"):
-        if base.staleness < 2:
-            continue
-        for name in ("minirl_r2", "minirl_r3", "vespo"):
-            for other in _cell(cells, name, base.staleness):
-                gap, margin = compare_late_reward(other, base)
-                ko, kb = other.values["kl_k3"], base.values["kl_k3"]
-                if gap is None:
-                    continue
-                if gap > margin:
-                    verdict = f"{name} ahead, as the paper finds for off-policy N" + _caveat(other, base)
-                elif -gap > margin:
-                    verdict = f"{name} behind: the paper's gain is NOT reproduced here" + _caveat(other, base)
-                else:
-                    verdict = f"no difference beyond {_fmt(margin)}: the paper's gain is not visible at this scale"
-                out.append(
-                    f"{name} vs MiniRL at N={base.staleness}: late reward {_fmt(other.values['late_reward'])} vs "
-                    f"{_fmt(base.values['late_reward'])}, KL k3 {_fmt(ko, 5)} vs {_fmt(kb, 5)}: {verdict}."
-                )
     for c in cells:
-        d = c.values["routing_disagreement"]
+        d = c.mean("routing_disagreement")
         if c.variant in ("minirl", "reinforce_no_is", "vespo", "vanilla_grpo") and d is not None:
             out.append(
-                f"Without replay ({c.variant}, N={c.staleness}) the policy updates routed {_fmt(d)} of the (token, "
-                "MoE layer) rows to a different expert set than the rollout did (rollout vs training numerics, plus "
-                "policy drift between mini-steps when N > 1; observed, not replayed)."
+                f"Without replay ({c.variant}, N={c.staleness}) the updates routed {_fmt(d)} of the (token, MoE layer) "
+                "rows to other experts than the rollout (observed, not replayed)."
             )
-    kls = [(c.values["kl_k3"], c) for c in cells if c.values["kl_k3"] is not None]
-    if kls:
-        lo, hi = min(kls, key=lambda t: t[0]), max(kls, key=lambda t: t[0])
-        f2 = [c.values["f2"] for _, c in kls if c.values["f2"] is not None]
-        out.append(
-            f"Train-inference mismatch KL(mu||pi_old) (k3, mean over steps) ranges from {_fmt(lo[0], 5)} "
-            f"({lo[1].variant} N={lo[1].staleness}) to {_fmt(hi[0], 5)} ({hi[1].variant} N={hi[1].staleness})"
-            + (f"; F(2) is at most {_fmt(max(f2), 4)}." if f2 else ".")
-        )
     fired = [f"{c.variant} N={c.staleness} ({', '.join(c.guard_fired)})" for c in cells if c.guard_fired]
     out.append("Guard fired in: " + ("; ".join(fired) if fired else "no run") + ".")
     return out
 
 
+def findings(cells: Sequence[CellSummary]) -> list[str]:
+    """The comparisons in full, then the observations (kept for callers that want plain sentences)."""
+    return comparison_lines(switch_results(cells)) + observations(cells)
+
+
 LIMITS = (
-    "The model is a 4-layer MoE with hidden size 64 on a one-digit toy task, batches are a "
-    "few dozen responses and runs a few steps, so reward differences below the stated margin are noise, and the "
-    "paper's long-horizon effects (late collapse after hundreds of steps, large-scale fp8 drift) cannot appear. "
-    "Each run is verl's own trainer with the project's recipe; the numbers are what it logged."
+    "The model is a 4-layer MoE with hidden size 64 on a one-digit toy task, batches are a few dozen responses and runs "
+    "a few dozen steps: the paper's long-horizon effects (late collapse after hundreds of steps) cannot appear, and a "
+    "switch called 'no effect' here may matter at scale. Each run is verl's own trainer with the project's recipe; "
+    "the numbers are what it logged."
 )
 
 
-def plot_curves(rows: Sequence[Mapping], out_dir: str | Path, names: Sequence[str] = PLOTTED) -> list[Path]:
-    """One PNG per metric: the per-step curve of every (variant, N), averaged over seeds. Returns the paths."""
+def _bands(rows: Sequence[Mapping], n: int, name: str) -> dict[str, dict[int, list[float]]]:
+    out: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        if int(r["staleness"]) != n:
+            continue
+        v = metric(r, name)
+        if v is not None:
+            out[r["variant"]][int(r["step"])].append(v)
+    return out
+
+
+def plot_regimes(rows: Sequence[Mapping], out_dir: str | Path, names: Sequence[str] = PLOTTED) -> list[Path]:
+    """One PNG per regime (N): a panel per metric, each variant's mean over seeds with its min-max seed band."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -322,27 +403,28 @@ def plot_curves(rows: Sequence[Mapping], out_dir: str | Path, names: Sequence[st
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    curves: dict[tuple[str, int], dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     paths = []
-    for name in names:
-        curves.clear()
-        for r in rows:
-            v = metric(r, name)
-            if v is not None:
-                curves[(r["variant"], int(r["staleness"]))][int(r["step"])].append(v)
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for (variant, n), by_step in sorted(curves.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-            steps = sorted(by_step)
-            ax.plot(steps, [sum(by_step[s]) / len(by_step[s]) for s in steps], marker="o", label=f"{variant} N={n}")
-        ax.set_xlabel("step")
-        ax.set_ylabel(name.replace("_", " "))
-        ax.set_title(name)
-        if curves:
-            ax.legend(fontsize=7)
-        else:
-            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
+    for n in sorted({int(r["staleness"]) for r in rows}):
+        fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.4))
+        axes = axes if len(names) > 1 else [axes]
+        for ax, name in zip(axes, names, strict=True):
+            bands = _bands(rows, n, name)
+            for variant, by_step in bands.items():
+                steps = sorted(by_step)
+                mean = [sum(by_step[s]) / len(by_step[s]) for s in steps]
+                (line,) = ax.plot(steps, mean, marker="o", markersize=3, label=variant)
+                lo, hi = [min(by_step[s]) for s in steps], [max(by_step[s]) for s in steps]
+                ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
+            ax.set_xlabel("step")
+            ax.set_title(LABELS.get(name, name.replace("_", " ")), fontsize=9)
+            if name in ("kl_k3",) and any(v > 0 for b in bands.values() for vs in b.values() for v in vs):
+                ax.set_yscale("log")
+            if not bands:
+                ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
+        axes[0].legend(fontsize=7)
+        fig.suptitle(f"{regime_name(n)} -- mean over seeds, band: lowest to highest seed", fontsize=10)
         fig.tight_layout()
-        path = out_dir / f"{name}.png"
+        path = out_dir / f"regime_N{n}.png"
         fig.savefig(path, dpi=80)
         plt.close(fig)
         paths.append(path)
@@ -352,16 +434,25 @@ def plot_curves(rows: Sequence[Mapping], out_dir: str | Path, names: Sequence[st
 def render_markdown(
     rows: Sequence[Mapping], plots: Sequence[Path] = (), header: Mapping[str, str] | None = None, relative_to=None
 ) -> str:
-    """The report: setup lines, the table, findings, limits, plot links."""
+    """The report: the answer table first, then setup, the table per cell, every comparison, limits, figures."""
     cells = summarize(rows)
-    lines = ["# verl-stable CPU lab report", ""]
-    for k, v in (header or {}).items():
-        lines.append(f"- {k}: {v}")
-    lines += ["", "## Results per variant and N", "", table(cells), "", "## What this shows", ""]
-    lines += [f"- {s}" for s in findings(cells)]
+    results = switch_results(cells)
+    lines = ["# verl-stable CPU lab report", "", "## The answer: which switch does each regime need?", ""]
+    lines += [answer_table(results) if results else "No switch has both of its variants at one N in these runs.", ""]
+    lines += [
+        "A switch is **needed** when, with it on, KL(mu‖pi_old) or the clipped fraction is lower, or the late reward "
+        "higher, with the two 95 % t-intervals over seeds separated and every seed's difference of one sign "
+        "(Welch's t-test printed beside it); a difference whose sign changes across seeds is 'no effect'.",
+        "",
+    ]
+    if header:
+        lines += ["## Setup", ""] + [f"- {k}: {v}" for k, v in header.items()] + [""]
+    lines += ["## Results per variant and N (mean [95 % interval] over seeds)", "", table(cells), ""]
+    lines += ["## Every comparison", ""] + [f"- {s}" for s in comparison_lines(results)]
+    lines += ["", "## Observations", ""] + [f"- {s}" for s in observations(cells)]
     lines += ["", "## What this does not show", "", LIMITS, ""]
     if plots:
-        lines += ["## Curves", ""]
+        lines += ["## Figures (one per regime)", ""]
         for p in plots:
             rel = Path(p).relative_to(relative_to) if relative_to else Path(p)
             lines.append(f"![{Path(p).stem}]({rel})")
@@ -370,9 +461,10 @@ def render_markdown(
 
 
 def write_report(rows: Sequence[Mapping], out_dir: str | Path, header: Mapping[str, str] | None = None) -> Path:
-    """Write ``out_dir/report.md`` and ``out_dir/plots/*.png`` from the rows; returns the report path."""
+    """Write ``out_dir/report.md`` and ``out_dir/plots/regime_N<n>.png`` from the rows; returns the report path."""
     out_dir = Path(out_dir)
-    plots = plot_curves(rows, out_dir / "plots")
+    check_rows(rows)  # a message naming the bad row, before any figure is drawn
+    plots = plot_regimes(rows, out_dir / "plots")
     path = out_dir / "report.md"
     path.write_text(render_markdown(rows, plots, header, relative_to=out_dir))
     return path
