@@ -98,6 +98,11 @@ def test_run_sweep_refuses_an_unknown_only_before_preparing(tmp_path, no_work):
         (["--timeout", "-5"], "argument --timeout: expected a number of seconds > 0, got '-5'"),
         (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
         (["--precision", "fp9"], "argument --precision: invalid choice: 'fp9'"),
+        (["--top-k", "0"], "argument --top-k: expected an integer >= 1, got 0"),
+        (["--top-k", "17"], "top_k must be an int in [1, 16] (16 experts), got 17"),
+        (["--router-noise", "-0.1"], "argument --router-noise: expected a finite number >= 0, got '-0.1'"),
+        (["--router-noise", "inf"], "argument --router-noise: expected a finite number >= 0, got 'inf'"),
+        (["--engine", "vllm", "--router-noise", "0.3"], "router_noise is an hf-backend option, engine is 'vllm'"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_work(tmp_path, no_work, capsys, args, expected):

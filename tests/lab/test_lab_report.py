@@ -157,3 +157,11 @@ def test_bad_rows_raise():
         R.summarize([{"variant": "minirl", "step": 1}])
     with pytest.raises(ValueError, match="duplicate step"):
         R.summarize([_row("minirl", 1, 1, 0.1), _row("minirl", 1, 1, 0.2)])
+
+
+def test_clipping_is_judged_on_reward_not_on_the_fraction_it_clips():
+    rows = _seeded("minirl", 8, kl=[1e-3] * 3, reward=[0.5, 0.52, 0.55], clip=[0.05, 0.06, 0.055])
+    rows += _seeded("minirl_noclip", 8, kl=[1e-3] * 3, reward=[0.1, 0.12, 0.08], clip=0.0)
+    (result,) = R.switch_results(R.summarize(rows))
+    assert result.switch.name == "clipping" and "clip_frac" not in {c.metric for c, _ in result.comparisons}
+    assert "| off-policy N = 8: mismatch + staleness | clipping | **yes** | late reward 0.523" in R.answer_table([result])

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from verl_stable.argtypes import positive_int, positive_seconds
+from verl_stable.argtypes import non_negative_float, positive_int, positive_seconds
 from verl_stable.cpu.launch import ENGINES
 from verl_stable.lab.presets import MAX_SEED
 from verl_stable.lab.variants import PRECISIONS
@@ -45,7 +45,11 @@ def _list(out: Callable[[str], None]) -> None:
     out("presets:")
     for p in PRESETS.values():
         runs = ", ".join(f"{v}@N{n}" for v, n in p.runs)
-        out(f"  {p.name:<8} steps={p.steps} seeds={list(p.seeds)} task={p.task} precision={p.precision}: {runs}")
+        noise = f" router_noise={p.router_noise}" if p.router_noise else ""
+        out(
+            f"  {p.name:<8} steps={p.steps} seeds={list(p.seeds)} task={p.task} top_k={p.top_k} "
+            f"precision={p.precision}{noise}: {runs}"
+        )
     out("variants:")
     for v in VARIANTS.values():
         sw = ", ".join(f"{k.rsplit('.', 1)[-1]}={val}" for k, val in v.switches.items()) or "(recipe as is)"
@@ -67,6 +71,12 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
     parser.add_argument("--seeds", type=_seed, nargs="+", help="override the preset's seeds (distinct, in [0, 2**32))")
     parser.add_argument("--engine", choices=ENGINES, help="rollout engine (default hf; vllm: vLLM's CPU build)")
     parser.add_argument("--precision", choices=PRECISIONS, help="rollout precision (hf default fp8; vllm: bf16, fp32)")
+    parser.add_argument("--top-k", type=positive_int, help="experts per token of the tiny MoE (of 16; preset's default)")
+    parser.add_argument(
+        "--router-noise",
+        type=non_negative_float,
+        help="hf rollout: sigma of the inference-only router perturbation (0: off; a labelled stand-in, not a format)",
+    )
     parser.add_argument("--only", nargs="+", help="run names starting with these (e.g. minirl_r3__N4)")
     parser.add_argument("--timeout", type=positive_seconds, help="per-run wall-clock limit in seconds")
     parser.add_argument(
@@ -85,6 +95,9 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
         "engine": args.engine,
         # vLLM's CPU build serves fp32 / bf16: an engine switch without --precision takes bf16 (the hf default is fp8)
         "precision": args.precision or ("bf16" if args.engine == "vllm" else None),
+        "top_k": args.top_k,
+        # the router perturbation is an hf-backend stand-in; vLLM brings its own mismatch
+        "router_noise": 0.0 if args.engine == "vllm" and args.router_noise is None else args.router_noise,
     }
     try:
         preset = replace(preset, **{k: v for k, v in changes.items() if v is not None})
@@ -135,8 +148,16 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
     header = {
         "preset": preset.name,
         "task": f"{preset.task} (exact-match binary reward)",
+        "model": f"tiny Qwen3-MoE, 4 layers, 16 experts, top-{preset.top_k}",
         "rollout": (
-            f"hf backend, {preset.precision} weights; training engine fp32"
+            f"hf backend, {preset.precision} numerics"
+            + (
+                f", routers perturbed by sigma = {preset.router_noise} at inference only (a stand-in for a large MoE's "
+                "routing mismatch, not a numeric format)"
+                if preset.router_noise
+                else ""
+            )
+            + "; training engine fp32"
             if preset.engine == "hf"
             else f"verl's vLLM rollout (vLLM CPU build), {preset.precision}; training engine fp32"
         ),

@@ -235,26 +235,37 @@ def _cell(cells: Sequence[CellSummary], variant: str, n: int | None = None) -> l
     return [c for c in cells if c.variant == variant and (n is None or c.staleness == n)]
 
 
+# the metric and the direction in which a switch helps (None: shown, not judged). Replay's claims (the paper): lower
+# train-inference mismatch, fewer clipped tokens, higher reward.
+JUDGED = (("kl_k3", "lower"), ("clip_frac", "lower"), ("late_reward", "higher"), ("final_entropy", None))
+REWARD_JUDGED = (("late_reward", "higher"), ("final_entropy", None), ("kl_k3", None))
+
+
 @dataclass(frozen=True)
 class Switch:
-    """A switch of the paper, as the lab measures it: variant ``a`` (switch on) against ``b`` (off)."""
+    """A switch of the paper, as the lab measures it: variant ``a`` (switch on) against ``b`` (off).
+
+    ``judged``: (metric, the direction in which the switch helps, or None for a metric shown but not judged).
+    """
 
     name: str
     a: str
     b: str
     question: str
+    judged: tuple[tuple[str, str | None], ...] = JUDGED
 
 
 SWITCHES = (
-    Switch("IS weight", "minirl", "reinforce_no_is", "MiniRL's truncated train-inference IS weight vs none"),
+    Switch(
+        "IS weight", "minirl", "reinforce_no_is", "MiniRL's truncated train-inference IS weight vs none", REWARD_JUDGED
+    ),
     Switch("R3", "minirl_r3", "minirl", "MiniRL + R3 (replay the rollout's routing) vs MiniRL"),
     Switch("R2", "minirl_r2", "minirl", "MiniRL + R2 (replay pi_old's routing) vs MiniRL"),
     Switch("R3 over R2", "minirl_r3", "minirl_r2", "R3 vs R2"),
-    Switch("VESPO", "vespo", "minirl", "VESPO (sequence-level reshaping) vs MiniRL"),
+    # the clipped fraction is what clipping does, not a cost: judged on reward only
+    Switch("clipping", "minirl", "minirl_noclip", "MiniRL's clipping (trust region) vs none", REWARD_JUDGED),
+    Switch("VESPO", "vespo", "minirl", "VESPO (sequence-level reshaping) vs MiniRL", REWARD_JUDGED),
 )
-# the metric and the direction in which the switch helps (the paper's claims: lower mismatch, fewer clipped tokens,
-# higher reward)
-JUDGED = (("kl_k3", "lower"), ("clip_frac", "lower"), ("late_reward", "higher"), ("final_entropy", None))
 
 
 @dataclass(frozen=True)
@@ -281,7 +292,7 @@ def switch_results(cells: Sequence[CellSummary]) -> list[SwitchResult]:
             if not on or not off:
                 continue
             comps = []
-            for field, good in JUDGED:
+            for field, good in sw.judged:
                 a, b = on[0].per_seed.get(field) or {}, off[0].per_seed.get(field) or {}
                 if a and b:
                     comps.append((stats.compare(field, sw.a, a, sw.b, b), good))
@@ -360,7 +371,7 @@ def observations(cells: Sequence[CellSummary]) -> list[str]:
             )
     for c in cells:
         d = c.mean("routing_disagreement")
-        if c.variant in ("minirl", "reinforce_no_is", "vespo", "vanilla_grpo") and d is not None:
+        if c.variant in ("minirl", "reinforce_no_is", "minirl_noclip", "vespo", "vanilla_grpo") and d is not None:
             out.append(
                 f"Without replay ({c.variant}, N={c.staleness}) the updates routed {_fmt(d)} of the (token, MoE layer) "
                 "rows to other experts than the rollout (observed, not replayed)."

@@ -11,6 +11,7 @@ A variant never carries a loss, estimator or replay of its own: it selects a rec
     minirl            minirl_onpolicy  (none)
     minirl_r2         minirl_onpolicy  router_replay.mode = R2
     minirl_r3         minirl_onpolicy  router_replay.mode = R3 (rollout routing export is on for every run)
+    minirl_noclip     minirl_onpolicy  clip_ratio_low = 1.0, clip_ratio_high = 1e9 (no trust region: nothing masked)
     vespo             vespo            (none)
     vanilla_grpo      minirl_onpolicy  loss_mode = vanilla, adv_estimator = grpo, loss_agg_mode = seq-mean-token-mean
 
@@ -39,6 +40,8 @@ LOSS_MODE = "actor_rollout_ref.actor.policy_loss.loss_mode"
 LOSS_AGG_MODE = "actor_rollout_ref.actor.loss_agg_mode"
 ADV_ESTIMATOR = "algorithm.adv_estimator"
 ROLLOUT_SEED = "actor_rollout_ref.rollout.seed"
+CLIP_LOW = "actor_rollout_ref.actor.clip_ratio_low"
+CLIP_HIGH = "actor_rollout_ref.actor.clip_ratio_high"
 PRECISION = "+actor_rollout_ref.rollout.engine_kwargs.hf.precision"
 ROUTER_NOISE = "+actor_rollout_ref.rollout.engine_kwargs.hf.router_noise"
 REWARD_PATH = "reward.custom_reward_function.path"
@@ -98,6 +101,13 @@ VARIANTS: dict[str, Variant] = {
         Variant("minirl", "minirl_onpolicy", {}, "MiniRL (token IS w = min(pi_old/mu, 5), clipping)"),
         Variant("minirl_r2", "minirl_onpolicy", {ROUTER_REPLAY: "R2"}, "MiniRL + R2 (replay pi_old's routing)"),
         Variant("minirl_r3", "minirl_onpolicy", {ROUTER_REPLAY: "R3"}, "MiniRL + R3 (replay the rollout's routing)"),
+        Variant(
+            "minirl_noclip",
+            "minirl_onpolicy",
+            # ratio bounds [1 - 1, 1 + 1e9] = [0, 1e9]: MiniRL's mask never fires, the IS weight stays
+            {CLIP_LOW: 1.0, CLIP_HIGH: 1e9},
+            "MiniRL without clipping (the trust region removed)",
+        ),
         Variant("vespo", "vespo", {}, "VESPO (sequence-level reshaped IS)"),
         Variant(
             "vanilla_grpo",
