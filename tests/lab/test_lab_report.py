@@ -99,8 +99,8 @@ def test_answer_table_states_a_switch_only_where_intervals_separate():
     assert verdicts == {"kl_k3": "lower", "clip_frac": "lower", "late_reward": "no effect"}  # no entropy logged
     table = R.answer_table(results)
     assert "| off-policy N = 4: mismatch + staleness | R3 | **yes** |" in table
-    assert "KL(mu‖pi_old) k3 2.5e-05 [" in table and "41x lower" in table  # 1.033e-3 / 2.5e-5
-    assert "Welch t = -11.43" in table
+    assert "KL(mu‖pi_old) k3 2.5e-05 [1.5e-05, 4.1e-05] vs 1.0e-03" in table  # geometric means, log-scale intervals
+    assert "42x lower" in table and "95% log-scale t-intervals" in table and "Welch t = -25.85" in table
     lines = "\n".join(R.comparison_lines(results))
     # reward: per-seed differences +0.05, -0.05, +0.10 change sign: no effect whatever the means say
     assert "late reward" in lines and "the per-seed difference changes sign across seeds" in lines

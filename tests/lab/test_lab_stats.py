@@ -63,3 +63,17 @@ def test_compare_overlap_is_no_effect_and_one_seed_is_too_few():
     assert c.verdict == "no effect" and c.reason == "the intervals overlap"
     c = stats.compare("late_reward", "a", {0: 0.4}, "b", {0: 0.9})
     assert c.verdict == "too few seeds" and not c.is_finding and "n/a" in c.test_text()
+
+
+def test_log_scale_interval_is_geometric():
+    iv = stats.interval([1e-4, 1e-3, 1e-2], log=True)
+    # log10 values -4, -3, -2: mean -3 (geometric mean 1e-3), half-width t_{0.975, 2} / sqrt(3) = 2.48414 decades
+    assert iv.log and iv.mean == pytest.approx(1e-3)
+    assert (math.log10(iv.lo), math.log10(iv.hi)) == pytest.approx((-3 - 2.48414, -3 + 2.48414), abs=1e-5)
+    with pytest.raises(ValueError, match="positive values"):
+        stats.interval([1e-3, 0.0], log=True)
+    # one spiky seed: on a linear scale the intervals overlap, on a log scale they separate
+    low, spiky = {0: 2e-4, 1: 3e-4, 2: 2.5e-4}, {0: 1e-2, 1: 3e-3, 2: 4e-3}
+    assert stats.compare("kl_k3", "r3", low, "base", spiky).verdict == "no effect"
+    c = stats.compare("kl_k3", "r3", low, "base", spiky, log=True)
+    assert c.verdict == "lower" and "log-scale" in c.test_text()

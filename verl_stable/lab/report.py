@@ -165,13 +165,22 @@ class CellSummary:
         return max((len(v) for v in self.per_seed.values()), default=0)
 
     def interval(self, field: str) -> Interval | None:
-        """Mean and 95 % interval of ``field`` over the seeds (None when no run logged it)."""
+        """Mean and 95 % interval of ``field`` over the seeds (None when no run logged it); log-scale for KL."""
         values = self.per_seed.get(field) or {}
-        return stats.interval([values[s] for s in sorted(values)]) if values else None
+        vals = [values[s] for s in sorted(values)]
+        return stats.interval(vals, log=_log_scale(field, vals)) if values else None
 
     def mean(self, field: str) -> float | None:
         iv = self.interval(field)
         return iv.mean if iv else None
+
+
+LOG_SCALE = ("kl_k3",)
+"""Compared on log10: a run's mean KL spans decades across seeds (one routing flip can spike a step's KL 100x)."""
+
+
+def _log_scale(field: str, *values: Sequence[float]) -> bool:
+    return field in LOG_SCALE and all(v > 0 for vals in values for v in vals)
 
 
 def summarize(rows: Sequence[Mapping]) -> list[CellSummary]:
@@ -295,7 +304,8 @@ def switch_results(cells: Sequence[CellSummary]) -> list[SwitchResult]:
             for field, good in sw.judged:
                 a, b = on[0].per_seed.get(field) or {}, off[0].per_seed.get(field) or {}
                 if a and b:
-                    comps.append((stats.compare(field, sw.a, a, sw.b, b), good))
+                    log = _log_scale(field, a.values(), b.values())
+                    comps.append((stats.compare(field, sw.a, a, sw.b, b, log=log), good))
             if comps:
                 out.append(SwitchResult(sw, n, tuple(comps)))
     return out

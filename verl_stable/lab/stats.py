@@ -4,6 +4,8 @@ Pure functions of per-seed numbers (one number per run: e.g. the mean KL(mu||pi_
 
 * :func:`interval`: mean and the two-sided 95 % Student-t confidence interval of the mean over ``n`` seeds,
   ``m +- t_{0.975, n-1} * s / sqrt(n)`` with ``s`` the sample standard deviation.
+  With ``log=True`` (for positive quantities spanning decades, such as a KL whose per-step values spike) the interval
+  is taken over ``log10`` of the values and mapped back: the geometric mean with a multiplicative interval.
 * :func:`compare`: variant ``a`` against variant ``b`` on one metric. A **finding** ("a lowers X") is stated only when
 
   1. both sides have at least :data:`MIN_SEEDS` seeds,
@@ -34,6 +36,7 @@ class Interval:
     lo: float | None
     hi: float | None
     n: int
+    log: bool = False  # mean / lo / hi are 10 ** (the interval of log10 values): a geometric mean
 
     def overlaps(self, other: Interval) -> bool:
         """Whether the two intervals share a point (True when either has no interval)."""
@@ -42,11 +45,11 @@ class Interval:
         return not (self.hi < other.lo or other.hi < self.lo)
 
 
-def interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Interval:
-    """Mean and Student-t confidence interval of ``values`` (one per seed).
+def interval(values: Sequence[float], confidence: float = CONFIDENCE, log: bool = False) -> Interval:
+    """Mean and Student-t confidence interval of ``values`` (one per seed); of their ``log10`` when ``log``.
 
     Raises:
-        ValueError: No values, a non-finite value, or a confidence outside (0, 1).
+        ValueError: No values, a non-finite value, a value <= 0 with ``log``, or a confidence outside (0, 1).
     """
     from scipy import stats
 
@@ -56,6 +59,12 @@ def interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Interva
         raise ValueError(f"non-finite value among {list(values)}")
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
+    if log:
+        if min(values) <= 0:
+            raise ValueError(f"a log-scale interval needs positive values, got {list(values)}")
+        iv = interval([math.log10(v) for v in values], confidence)
+        back = lambda x: None if x is None else 10**x  # noqa: E731
+        return Interval(10**iv.mean, back(iv.lo), back(iv.hi), iv.n, log=True)
     n = len(values)
     mean = math.fsum(values) / n
     if n < 2:
@@ -120,7 +129,7 @@ class Comparison:
 
     def test_text(self) -> str:
         """The printed test: the intervals and Welch's t-test."""
-        level = f"{CONFIDENCE:.0%}"
+        level = f"{CONFIDENCE:.0%}" + (" log-scale" if self.ia.log else "")
         if self.test is None:
             welch_text = "Welch t-test: n/a"
         else:
@@ -129,17 +138,26 @@ class Comparison:
         return f"{level} t-intervals over n = {self.ia.n} / {self.ib.n} seeds, {welch_text}"
 
 
-def compare(metric: str, a: str, a_by_seed: Mapping[int, float], b: str, b_by_seed: Mapping[int, float]) -> Comparison:
+def compare(
+    metric: str,
+    a: str,
+    a_by_seed: Mapping[int, float],
+    b: str,
+    b_by_seed: Mapping[int, float],
+    log: bool = False,
+) -> Comparison:
     """Compare per-seed values of variant ``a`` with variant ``b`` by the rule of the module docstring.
 
+    With ``log`` the intervals and Welch's test are on ``log10`` of the values (positive quantities spanning decades).
+
     Raises:
-        ValueError: Either side empty or holding a non-finite value.
+        ValueError: Either side empty or holding a non-finite value (or a value <= 0 with ``log``).
     """
     va, vb = [a_by_seed[s] for s in sorted(a_by_seed)], [b_by_seed[s] for s in sorted(b_by_seed)]
-    ia, ib = interval(va), interval(vb)
+    ia, ib = interval(va, log=log), interval(vb, log=log)
     common = sorted(set(a_by_seed) & set(b_by_seed))
     diffs = tuple(a_by_seed[s] - b_by_seed[s] for s in common)
-    test = welch(va, vb)
+    test = welch([math.log10(v) for v in va], [math.log10(v) for v in vb]) if log else welch(va, vb)
     base = dict(metric=metric, a=a, b=b, ia=ia, ib=ib, test=test, diffs=diffs)
     if min(ia.n, ib.n) < MIN_SEEDS:
         return Comparison(**base, verdict="too few seeds", reason=f"fewer than {MIN_SEEDS} seeds on a side")
