@@ -30,6 +30,7 @@ def test_recipe_matches_launcher(cpu_assets):
     launcher = _compose(Path(verl_config.__file__).parent, "ppo_trainer", cpu_overrides(cpu_assets))
     keys = [
         "trainer.device",
+        "ray_kwargs.ray_init.runtime_env.env_vars.VERL_PLATFORM",
         "ray_kwargs.ray_init.num_gpus",
         "ray_kwargs.ray_init.num_cpus",
         "transfer_queue.backend.SimpleStorage.num_data_storage_units",
@@ -49,6 +50,7 @@ def test_recipe_matches_launcher(cpu_assets):
     for key in keys:
         assert OmegaConf.select(recipe, key) == OmegaConf.select(launcher, key), key
     assert recipe.trainer.device == "cpu" and recipe.actor_rollout_ref.rollout.name == "hf"
+    assert recipe.ray_kwargs.ray_init.runtime_env.env_vars.VERL_PLATFORM == "cpu"
 
 
 def test_kl_loss_overrides_pass_verls_config_validation(cpu_assets):

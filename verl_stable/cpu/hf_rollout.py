@@ -4,7 +4,7 @@ Three pieces, each where verl looks for it:
 
 * :class:`HFReplica` -- ``RolloutReplicaRegistry.register("hf", ...)``; built in the task runner, it launches one
   :class:`~verl_stable.cpu.hf_server.HFRolloutServer` Ray actor per replica, named ``hf_server_{replica_rank}_0`` like
-  vLLM's servers.
+  vLLM's servers, on the node of the replica's actor rank.
 * :class:`~verl_stable.cpu.hf_server.HFRolloutServer` -- the server actor (:mod:`verl_stable.cpu.hf_server`).
 * :class:`HFServerAdapter` -- the worker-side ``BaseRollout`` in ``_ROLLOUT_REGISTRY[("hf", "async")]``
   (:data:`ADAPTER_FQN`, imported by name in every worker). verl's weight sync hands it a generator of full tensors
@@ -78,12 +78,27 @@ def _replica_class() -> type:
             env_vars = {k: v for k, v in os.environ.items() if k.startswith(("VERL_", "OMP_NUM_THREADS"))}
             server_cls = ray.remote(HFRolloutServer)
             server = server_cls.options(
-                name=name, max_concurrency=self.max_concurrency, num_cpus=0, runtime_env={"env_vars": env_vars}
+                name=name,
+                max_concurrency=self.max_concurrency,
+                num_cpus=0,
+                runtime_env={"env_vars": env_vars},
+                **await self._on_workers_node(),
             ).remote(config=self.config, model_config=self.model_config, replica_rank=self.replica_rank)
             address, _ = await server.get_server_address.remote()
             self.servers = [server]
             self._server_handle = server
             self._server_address = address
+
+        async def _on_workers_node(self) -> dict[str, Any]:
+            """Pin the server to the node of this replica's worker (hybrid and colocated modes), as verl's vLLM
+            replica pins its servers: in a cluster of several nodes each replica then serves next to its actor rank
+            and weight syncs stay on that node. Without workers (none yet), Ray places the server."""
+            if not self.workers:
+                return {}
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            node_id = await self.workers[0].__ray_call__.remote(lambda worker: ray.get_runtime_context().get_node_id())
+            return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)}
 
         def rollout_worker_use_gpu(self) -> bool:
             return False

@@ -25,7 +25,14 @@ from verl_stable.argtypes import positive_int, positive_seconds
 from verl_stable.cpu import tasks, vllm_rollout
 from verl_stable.cpu.assets import Assets, AssetSpec, asset_paths, ensure_assets
 from verl_stable.cpu.hf_options import PRECISIONS
-from verl_stable.cpu.trainer_process import RAY_TMPDIR_NAME, cpu_env, ray_tmpdir, read_metrics, run_main_ppo
+from verl_stable.cpu.trainer_process import (
+    RAY_TMPDIR_NAME,
+    cpu_env,
+    job_env_overrides,
+    ray_tmpdir,
+    read_metrics,
+    run_main_ppo,
+)
 
 __all__ = [
     "CPU_GROUP_SIZE",
@@ -50,6 +57,9 @@ __all__ = [
 # Overrides every CPU run needs, independent of the model/data; each says why where it is not obvious.
 RUNTIME_OVERRIDES: tuple[str, ...] = (
     "trainer.device=cpu",
+    # VERL_PLATFORM=cpu in the Ray job's runtime_env: workers on nodes the driver did not start (a cluster joined with
+    # ray_kwargs.ray_init.address) select the CPU platform too, instead of verl's default NCCL/CUDA
+    *job_env_overrides({"VERL_PLATFORM": "cpu"}),
     "trainer.n_gpus_per_node=1",
     "trainer.nnodes=1",
     "+ray_kwargs.ray_init.num_gpus=1",  # a fake Ray GPU: verl's resource pools count GPUs

@@ -5,7 +5,15 @@ probing registered platforms, else "nvidia". This module registers :class:`Platf
 it is never picked by auto-detection (``is_platform_available`` is False unless requested), so a GPU machine keeps
 its accelerator. A run asks for CPU with ``VERL_PLATFORM=cpu`` or with the hydra override ``trainer.device=cpu`` on
 the driver's command line: :func:`register` then exports ``VERL_PLATFORM=cpu`` before Ray starts, so every process
-Ray spawns (task runner, workers, rollout servers) inherits the choice.
+of a Ray instance the driver starts itself (task runner, workers, rollout servers) inherits the choice.
+
+A cluster started beforehand (``ray start`` on each node, the driver joining with ``ray_kwargs.ray_init.address``)
+inherits nothing from the driver: its workers take their environment from the ``ray start`` that started their node,
+so they would select verl's default platform (NVIDIA: NCCL, CUDA). The choice therefore also travels in the Ray job's
+``runtime_env``: verl passes ``ray_kwargs.ray_init.runtime_env`` to ``ray.init`` and Ray sets its ``env_vars`` in
+every process of the job on every node. The CPU launcher's overrides carry ``VERL_PLATFORM=cpu`` there
+(:data:`verl_stable.cpu.launch.RUNTIME_OVERRIDES`) and its subprocess forwards the other variables it sets
+(:func:`verl_stable.cpu.trainer_process.job_env`).
 
 Two things verl assumes of an accelerator are answered here:
 

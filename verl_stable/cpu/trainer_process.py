@@ -4,7 +4,8 @@
 metrics in a JSON-lines file (verl's ``file`` logger, read back with :func:`read_metrics`). Every run gets a Ray
 temporary directory of its own (:func:`ray_tmpdir`, passed as ``RAY_TMPDIR``), so concurrent runs and users on one
 machine never share Ray's session directories or sockets; a Ray node that times out while starting (an overloaded
-host) is retried.
+host) is retried. The variables it sets for verl's processes also travel in the Ray job's ``runtime_env``
+(:func:`job_env`), so that they reach every node of a cluster the run joins (``ray_kwargs.ray_init.address``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -36,6 +38,57 @@ def cpu_env(
     if metrics_file is not None:
         env["VERL_FILE_LOGGER_PATH"] = str(metrics_file)
     return env
+
+
+# verl merges ``ray_kwargs.ray_init.runtime_env`` over its defaults and passes it to ``ray.init``: the Ray job's
+# runtime_env, whose ``env_vars`` Ray sets in every worker process of the job, on every node of the cluster.
+JOB_ENV_KEY = "ray_kwargs.ray_init.runtime_env.env_vars"
+
+
+def hydra_quote(value: str) -> str:
+    """``value`` as a quoted hydra override value that composes back to exactly this string.
+
+    Quoting keeps a value such as ``0.1`` or ``true`` a string (Ray wants string ``env_vars``); quotes and the
+    backslashes before them are escaped, and ``${`` is escaped so that OmegaConf does not read an interpolation.
+    """
+    escaped = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
+    escaped = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, escaped)  # before the closing quote
+    return "'" + escaped.replace("${", "\\${") + "'"
+
+
+def job_env_overrides(env_vars: dict[str, str]) -> list[str]:
+    """Hydra overrides that set ``env_vars`` in every process of the Ray job ``main_ppo`` starts, on every node.
+
+    ``++`` adds each variable to ``ray_kwargs.ray_init.runtime_env.env_vars`` or replaces its value, so the overrides
+    compose on verl's config and on a recipe that already sets the variable.
+    """
+    for name in env_vars:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ValueError(f"environment variable name {name!r} cannot be a config key")
+    return [f"++{JOB_ENV_KEY}.{name}={hydra_quote(str(value))}" for name, value in env_vars.items()]
+
+
+# Forwarded to every process of the Ray job: verl's and verl-stable's variables (platform choice, poll interval, metrics
+# file, VERL_STABLE_SKIP_STEPS ...), which the hf servers also receive, and the tokenizers setting.
+JOB_ENV_PREFIXES = ("VERL_",)
+JOB_ENV_NAMES = ("TOKENIZERS_PARALLELISM",)
+
+
+def job_env(env: dict[str, str], overrides: Sequence[str] = ()) -> list[str]:
+    """Overrides that put ``env``'s verl variables into the Ray job's ``runtime_env``, for every node of the cluster.
+
+    A Ray instance that ``main_ppo`` starts itself gives its workers the driver's environment; the nodes of a cluster
+    started beforehand (``ray start``, joined with ``ray_kwargs.ray_init.address``) give them their own, so without
+    these a worker on such a node would not select the CPU platform (verl would pick NCCL) nor find the metrics file.
+    A variable that ``overrides`` already set under ``ray_kwargs.ray_init.runtime_env.env_vars`` is left to them.
+    """
+    given = {item.split("=", 1)[0].lstrip("+~") for item in overrides}
+    chosen = {
+        name: value
+        for name, value in sorted(env.items())
+        if (name.startswith(JOB_ENV_PREFIXES) or name in JOB_ENV_NAMES) and f"{JOB_ENV_KEY}.{name}" not in given
+    }
+    return job_env_overrides(chosen)
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
@@ -117,13 +170,15 @@ def run_main_ppo(
 
     Ray gives its local node a fixed 30 s to start; on an overloaded host that fails before verl runs, so such a
     start-up failure (and only that) is retried up to ``ray_start_retries`` times. Ray's temporary files (sessions,
-    sockets, logs) go to the run's own :func:`ray_tmpdir`.
+    sockets, logs) go to the run's own :func:`ray_tmpdir`. The run's verl variables are also passed in the Ray job's
+    ``runtime_env`` (:func:`job_env`): a run joining a cluster (``+ray_kwargs.ray_init.address=...``) then has them on
+    every node.
     """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     env = cpu_env(workdir / "metrics.jsonl", poll_interval_s)
     env["RAY_TMPDIR"] = str(ray_tmpdir(workdir))
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides, *job_env(env, overrides)]
     for attempt in range(ray_start_retries + 1):
         with open(workdir / log_name, "w") as log:
             proc = subprocess.run(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
