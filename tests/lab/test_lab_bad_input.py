@@ -71,7 +71,7 @@ def test_unknown_only_is_refused_before_any_work_and_keeps_metrics(tmp_path, no_
 
 def test_only_naming_a_variant_outside_the_preset_is_refused(tmp_path, no_work, capsys):
     # vanilla_grpo is a real variant, but the default preset has no run of it: a typo-like mistake all the same
-    code, err = _exit_code(["--out", str(tmp_path), "--only", "minirl__N1", "vanilla_grpo"], capsys)
+    code, err = _exit_code(["--out", str(tmp_path), "--only", "minirl__N4", "vanilla_grpo"], capsys)
     assert code == 2 and "--only ['vanilla_grpo'] names no run of preset 'default'" in err
 
 
@@ -138,7 +138,7 @@ def test_unreadable_metrics_are_refused_not_overwritten(tmp_path, no_work, capsy
     (out / "metrics.jsonl").write_text(text)
     assert cli.main(["--out", str(out), "--report-only"], out=lambda _: None) == 1
     assert expected in capsys.readouterr().err
-    assert cli.main(["--out", str(out), "--only", "minirl__N1"], out=lambda _: None) == 1  # refused, no run
+    assert cli.main(["--out", str(out), "--only", "minirl__N4"], out=lambda _: None) == 1  # refused, no run
     assert expected in capsys.readouterr().err
     with pytest.raises(ValueError, match=expected.split(";")[0]):
         sweep.run_sweep(out, sweep.PRESETS["default"], jobs=1)
@@ -294,7 +294,7 @@ def test_cli_reports_every_run_in_out_after_an_only_sweep(tmp_path, monkeypatch)
 
     seen: list[dict] = []
     monkeypatch.setattr(report, "write_report", lambda rows, d, h: seen.extend(rows) or Path(d) / "report.md")
-    argv = ["--out", str(out), "--only", "minirl_r3", "--steps", "2", "--jobs", "1"]
+    argv = ["--out", str(out), "--only", "minirl_r3", "--steps", "2", "--jobs", "1", "--seeds", "0"]
     assert cli.main(argv, out=lambda _: None) == 0
     assert [(r["variant"], r["step"]) for r in seen] == [("vespo", 1), ("vespo", 2), ("minirl_r3", 1), ("minirl_r3", 2)]
 

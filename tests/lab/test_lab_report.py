@@ -164,4 +164,6 @@ def test_clipping_is_judged_on_reward_not_on_the_fraction_it_clips():
     rows += _seeded("minirl_noclip", 8, kl=[1e-3] * 3, reward=[0.1, 0.12, 0.08], clip=0.0)
     (result,) = R.switch_results(R.summarize(rows))
     assert result.switch.name == "clipping" and "clip_frac" not in {c.metric for c, _ in result.comparisons}
-    assert "| off-policy N = 8: mismatch + staleness | clipping | **yes** | late reward 0.523" in R.answer_table([result])
+    assert "| off-policy N = 8: mismatch + staleness | clipping | **yes** | late reward 0.523" in R.answer_table(
+        [result]
+    )

@@ -1,8 +1,8 @@
 """``verl-stable lab``: run the CPU comparison of the paper's variants with verl's own trainer and write the report.
 
-    verl-stable lab                       # default preset: ~8.5 min on 2 cores, no GPU, no download
-    verl-stable lab --preset replay       # R2 vs R3 vs no replay at N = 2 and 4 (~9 min)
-    verl-stable lab --preset full --out ./lab_full
+    verl-stable lab                       # default preset: R3 vs no replay at N = 4, 3 seeds (<= 10 min on 2 cores)
+    verl-stable lab --preset evidence --out ./lab_evidence   # the full comparison, 3 seeds (<= 60 min)
+    verl-stable lab --seeds 3 4 5 --out ./lab_rerun          # the same question on other seeds
     verl-stable lab --list                # presets and variants
     verl-stable lab --report-only --out ./lab   # re-render the report from the runs on disk
 
@@ -71,7 +71,9 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
     parser.add_argument("--seeds", type=_seed, nargs="+", help="override the preset's seeds (distinct, in [0, 2**32))")
     parser.add_argument("--engine", choices=ENGINES, help="rollout engine (default hf; vllm: vLLM's CPU build)")
     parser.add_argument("--precision", choices=PRECISIONS, help="rollout precision (hf default fp8; vllm: bf16, fp32)")
-    parser.add_argument("--top-k", type=positive_int, help="experts per token of the tiny MoE (of 16; preset's default)")
+    parser.add_argument(
+        "--top-k", type=positive_int, help="experts per token of the tiny MoE (of 16; preset's default)"
+    )
     parser.add_argument(
         "--router-noise",
         type=non_negative_float,

@@ -87,7 +87,9 @@ class Preset:
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 1 <= self.top_k <= 16:
             raise ValueError(f"preset {self.name!r}: top_k must be an int in [1, 16] (16 experts), got {self.top_k!r}")
         if not 0 <= self.router_noise < float("inf"):
-            raise ValueError(f"preset {self.name!r}: router_noise must be a finite number >= 0, got {self.router_noise}")
+            raise ValueError(
+                f"preset {self.name!r}: router_noise must be a finite number >= 0, got {self.router_noise}"
+            )
         if self.router_noise and self.engine != "hf":
             raise ValueError(f"preset {self.name!r}: router_noise is an hf-backend option, engine is {self.engine!r}")
         from verl_stable.cpu import launch
@@ -115,36 +117,63 @@ class Preset:
         return [s for s in specs if any(s.name.startswith(p) for p in only)]
 
 
+LAB_TOP_K = 2
+LAB_PRECISION = "int4"
+"""The lab's routing-mismatch setting, found by measurement (docs/lab.md, "The regime search"): top-2 routing and an
+int4-weight rollout flip ~10 % of routing decisions at the cold start, the rate the R3 paper measures between FP8
+inference and BF16 training on Qwen3-30B-A3B, with no artificial perturbation."""
+
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
-        # <= 10 min on 2 cores (docs/lab.md): on-policy IS vs no IS; at N = 4 staleness, routing replay R3, VESPO
+        # a quick look (<= 10 min on 2 cores, docs/lab.md): does R3 remove the routing mismatch at N = 4? 3 seeds
         Preset(
             "default",
+            runs=(("minirl", 4), ("minirl_r3", 4)),
+            steps=8,
+            seeds=(0, 1, 2),
+            precision=LAB_PRECISION,
+            top_k=LAB_TOP_K,
+        ),
+        # the full comparison (<= 60 min on 2 cores): the IS weight on-policy, R2 / R3 / VESPO at N = 4, clipping at
+        # N = 8; 3 seeds each
+        Preset(
+            "evidence",
             runs=(
                 ("reinforce_no_is", 1),
                 ("minirl", 1),
                 ("minirl", 4),
+                ("minirl_r2", 4),
                 ("minirl_r3", 4),
                 ("vespo", 4),
+                ("minirl", 8),
+                ("minirl_noclip", 8),
             ),
             steps=8,
+            seeds=(0, 1, 2),
+            precision=LAB_PRECISION,
+            top_k=LAB_TOP_K,
         ),
-        # R2 vs R3 against MiniRL without replay at two staleness levels (9 min 11 s on 2 cores, cold start cached)
-        Preset(
-            "replay",
-            runs=tuple((v, n) for n in (2, 4) for v in ("minirl", "minirl_r2", "minirl_r3")),
-            steps=8,
-        ),
+        # every variant at every N, 3 seeds, longer runs and bigger batches: hours on 2 cores
         Preset(
             "full",
             runs=tuple((v, n) for n in V.STALENESS_CHOICES for v in V.VARIANTS),
             steps=40,
-            seeds=(0, 1),
+            seeds=(0, 1, 2),
             mini_batch_prompts=8,
             group_size=8,
+            precision=LAB_PRECISION,
+            top_k=LAB_TOP_K,
         ),
-        # the CI smoke test: one R3 run of two steps
-        Preset("mini", runs=(("minirl_r3", 2),), steps=2, mini_batch_prompts=2, group_size=4),
+        # the CI smoke test: one R3 run of two steps in the lab's setting
+        Preset(
+            "mini",
+            runs=(("minirl_r3", 2),),
+            steps=2,
+            mini_batch_prompts=2,
+            group_size=4,
+            precision=LAB_PRECISION,
+            top_k=LAB_TOP_K,
+        ),
     )
 }
