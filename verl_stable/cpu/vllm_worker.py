@@ -24,12 +24,24 @@ the kernel); afterwards routing equals the checkpoint-loaded engine on 100 % of 
 verl's shared-memory bucket receiver (the CPU platform has no CUDA IPC) hands out views into one reused buffer, and the
 layerwise reload keeps incoming tensors until their layer is complete: each received tensor is copied, or the next
 bucket would overwrite it.
+
+Weight names, at the edge (:func:`checkpoint_name_mapper`): transformers 5 names every MoE block of a decoder layer
+``mlp`` -- Mixtral's included, whose checkpoints (and vLLM's model) call it ``block_sparse_moe``; transformers maps the
+names only when it reads or writes a checkpoint. verl 0.9.1 streams the live module's names, its
+``unfuse_moe_params`` splitting the packed experts into ``model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight``,
+and ``convert_weight_keys`` does nothing (transformers 5 models have no ``_checkpoint_conversion_mapping``). vLLM
+0.30's Mixtral maps ``gate_proj``/``up_proj``/``down_proj`` to its ``w1``/``w3``/``w2`` but not ``mlp`` to
+``block_sparse_moe``, so the first bucket fails: "There is no module or parameter named 'layers.0.mlp' in
+MixtralModel" (measured: ``python -m verl_stable.cpu.vllm_probe --family mixtral --reload`` without the mapping).
+Where the served model has ``block_sparse_moe`` blocks and no ``mlp`` ones, the extension renames the layer's ``mlp``
+to ``block_sparse_moe`` before vLLM loads the weights; for every other model the names pass unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
@@ -51,6 +63,33 @@ def reset_cpu_moe_kernels(model: torch.nn.Module) -> int:
             method.moe_kernel = None
             dropped += 1
     return dropped
+
+
+_LAYER_MLP = re.compile(r"(\.layers\.\d+)\.mlp\.")
+_LAYER_MODULE = re.compile(r"\.layers\.\d+\.(mlp|block_sparse_moe)$")
+
+
+def checkpoint_name_mapper(module_names: Iterable[str]) -> Callable[[str], str] | None:
+    """How verl's weight names become names a served model's ``load_weights`` accepts; None when they already are.
+
+    Args:
+        module_names: the served model's module names (``name for name, _ in model.named_modules()``).
+
+    A model whose decoder layers hold ``block_sparse_moe`` blocks and no ``mlp`` (vLLM's Mixtral) gets
+    ``layers.L.mlp.*`` renamed to ``layers.L.block_sparse_moe.*`` (see the module docstring); vLLM's own mapper then
+    takes the expert names the rest of the way.
+    """
+    kinds = {m.group(1) for name in module_names if (m := _LAYER_MODULE.search("." + name))}
+    if kinds != {"block_sparse_moe"}:
+        return None
+    return lambda name: _LAYER_MLP.sub(r"\1.block_sparse_moe.", "." + name)[1:]
+
+
+def checkpoint_names(
+    weights: Iterable[tuple[str, torch.Tensor]], mapper: Callable[[str], str] | None
+) -> list[tuple[str, torch.Tensor]]:
+    """``weights`` renamed by ``mapper`` (:func:`checkpoint_name_mapper`; None: unchanged), each tensor copied."""
+    return [(mapper(name) if mapper else name, tensor.clone()) for name, tensor in weights]
 
 
 @contextlib.contextmanager
@@ -78,11 +117,13 @@ def reload_layerwise(
     *,
     reset_kernels: bool = True,
 ) -> None:
-    """Load ``buckets`` of ``(name, tensor)`` (checkpoint names, as verl sends them) into running vLLM ``models``."""
+    """Load ``buckets`` of ``(name, tensor)`` (verl's names, as its weight sync sends them) into running vLLM
+    ``models``, renamed where the model needs it (:func:`checkpoint_name_mapper`)."""
+    mappers = [checkpoint_name_mapper(name for name, _ in model.named_modules()) for model, _ in models]
     with layerwise_reload(models, reset_kernels=reset_kernels):
         for bucket in buckets:
-            for model, _ in models:
-                model.load_weights([(name, tensor.clone()) for name, tensor in bucket])
+            for (model, _), mapper in zip(models, mappers, strict=True):
+                model.load_weights(checkpoint_names(bucket, mapper))
 
 
 class CpuWeightReloadExtension(vLLMColocateWorkerExtension):
@@ -103,8 +144,12 @@ class CpuWeightReloadExtension(vLLMColocateWorkerExtension):
         if self.device is None:
             self.device = torch.device("cpu")
 
+        # verl loads one list into every served model (a drafter only with MTP, which the CPU path does not run):
+        # the served model decides the names
+        mapper = checkpoint_name_mapper(name for name, _ in self.model_runner.model.named_modules())
+
         def on_bucket_received(weights: list[tuple[str, torch.Tensor]], is_last: bool) -> None:
-            owned = [(name, tensor.clone()) for name, tensor in weights]
+            owned = checkpoint_names(weights, mapper)
             self._update_weights(owned, peft_config=None, base_sync_done=base_sync_done)
 
         receiver = BucketedWeightReceiver(zmq_handle=self._get_zmq_handle(), device=self.device, use_shm=use_shm)
