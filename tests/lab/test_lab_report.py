@@ -128,7 +128,7 @@ def test_a_switch_that_hurts_is_reported_as_such():
 def test_observations_follow_the_numbers():
     text = "\n".join(R.observations(R.summarize(_rows())))
     assert "routing disagreement with the rollout 0.000" in text and "replay works: yes" in text
-    assert "Guard fired in: reinforce_no_is N=1 (entropy_collapse)" in text
+    assert "Guard fired in: reinforce_no_is N=1 (entropy_collapse (1/1 seeds))" in text
     assert "Without replay (minirl, N=4) the updates routed 0.100 of the" in text
 
 

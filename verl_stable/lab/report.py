@@ -152,7 +152,8 @@ LABELS = {
 
 @dataclass(frozen=True)
 class CellSummary:
-    """A (variant, N) cell: each metric's per-seed values (seed -> run summary value) and guard rules fired."""
+    """A (variant, N) cell: each metric's per-seed values (seed -> run summary value); guard rules fired, each as
+    ``"<rule> (<k>/<n> seeds)"``."""
 
     variant: str
     staleness: int
@@ -192,7 +193,10 @@ def summarize(rows: Sequence[Mapping]) -> list[CellSummary]:
     cells = []
     for (variant, n), runs in sorted(by_cell.items(), key=lambda kv: kv[0][1]):
         per_seed = {f: {r.seed: getattr(r, f) for r in runs if getattr(r, f) is not None} for f in SUMMARY_FIELDS}
-        fired = tuple(sorted({g for r in runs for g in r.guard_fired}))
+        fired = tuple(
+            f"{g} ({sum(g in r.guard_fired for r in runs)}/{len(runs)} seeds)"
+            for g in sorted({g for r in runs for g in r.guard_fired})
+        )
         cells.append(CellSummary(variant, n, min(r.steps for r in runs), per_seed, fired))
     return cells
 
