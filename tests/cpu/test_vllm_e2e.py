@@ -9,7 +9,8 @@ routing. The rest of vLLM's payloads must all pass the boundary and be replayed,
 (11 of 16 samples per step) and the exact sync still holds (fp32 on both sides: the actor's own router routes as vLLM
 does before the step's update). Every response is ``max_response_length`` tokens long (``ignore_eos``), so the
 expected replay coverage is exactly the share of samples whose routing arrived. The rerun test adds one more identical
-run (see its docstring).
+run (see its docstring). Partial rollouts with vLLM: ``test_vllm_partial_rollouts.py`` (its own file, so that a second
+test worker can run it alongside).
 """
 
 from __future__ import annotations
