@@ -27,7 +27,7 @@ import re
 import pytest
 
 RUNS = (1, 2)
-SAMPLES_PER_STEP = 16  # launch.regime_overrides: 2 prompts x 4 samples per mini-batch, N = 2 mini-batches
+MAX_TOKENS = 40  # ppo_max_token_len_per_gpu (and the log-prob pass's): sequences are up to 20 tokens
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +52,8 @@ def runs(tmp_path_factory):
             "trainer.balance_batch=True",
             "actor_rollout_ref.actor.use_dynamic_bsz=True",
             "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
-            # sequences are up to 20 tokens: several micro-batches per mini-step and rank
-            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=40",
-            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=40",
+            f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={MAX_TOKENS}",
+            f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={MAX_TOKENS}",
         ]
         args = [f"--config-path={path.parent}", f"--config-name={path.stem}", *overrides]
         proc = launch.run_main_ppo(args, tmp / f"dp{dp}", timeout_s=1500)
@@ -76,6 +75,9 @@ def test_the_runs_have_the_shape_asked_for(runs):
         rows = runs[dp][0]
         assert [r["step"] for r in rows] == [1, 2]
         for row in rows:
+            # every rank holds more than two token budgets per step: at least one of its two mini-batches is cut
+            # into several micro-batches (the log-prob pass, which takes the whole shard, into three or more)
+            assert row["global_seqlen/min"] > 2 * MAX_TOKENS
             # N = 2 update mini-steps per step, no third
             assert "stable/routing/update_1/r2_drift" in row and "stable/routing/update_2/r2_drift" not in row
             assert row["stable/routing/coverage/response_rows"] > 0
