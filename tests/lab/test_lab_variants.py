@@ -92,12 +92,16 @@ def test_every_run_gets_the_common_switches_and_fp32_training(composed):
     assert composed["minirl"][V.ROLLOUT_IS] == "token"
 
 
-@pytest.mark.parametrize("name", ["minirl_r3", "vanilla_grpo", "vespo"])
+@pytest.mark.parametrize("name", ["minirl_r3", "vanilla_grpo", "vespo", "minirl_noclip"])
 def test_verl_accepts_the_lab_configs(name):
-    """verl's own validation and dataclass conversion (as its workers do) take every switched config."""
+    """verl's own validation and dataclass conversion (as its workers do) take every switched config, and so do
+    verl-stable's run-time option checks (the trust region the monitor needs, the hf backend's options)."""
+    from verl_stable.recipes.validate import option_problems
+
     args = _ov(name, 2)
     config_name = next(a for a in args if a.startswith("--config-name=")).split("=", 1)[1]
     cfg = recipes.compose_recipe("fsdp", config_name, [a for a in args if not a.startswith("--")])
+    assert option_problems(cfg) == []
     configs = recipes.verl_configs(cfg, validate=True)
     fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
     assert dict(configs.actor.fsdp_config.mixed_precision) == fp32

@@ -261,3 +261,17 @@ def test_run_cpu_refuses_a_workdir_below_a_file(tmp_path, capsys, no_run):
     (tmp_path / "f").write_text("mine")
     err = _refused(["run-cpu", "vespo", "--workdir", str(tmp_path / "f" / "w")], capsys)
     assert f"workdir {tmp_path / 'f' / 'w'} lies below the file {tmp_path / 'f'}; expected a directory" in err
+
+
+@pytest.mark.parametrize(
+    ("override", "bad"),
+    [
+        ("actor_rollout_ref.actor.clip_ratio_low=1.0", "eps_low=1.0"),  # lower ratio bound 0: the monitor refuses it
+        ("actor_rollout_ref.actor.clip_ratio_high=-0.1", "eps_high=-0.1"),
+    ],
+)
+def test_run_cpu_refuses_a_trust_region_the_monitor_would_reject_at_the_first_update(
+    tmp_path, capsys, no_run, override, bad
+):
+    err = _refused(["run-cpu", "minirl_n4_r3", "--workdir", str(tmp_path), override], capsys)
+    assert "actor.clip_ratio_low / clip_ratio_high (the trust region): need 0 <= eps_low < 1" in err and bad in err

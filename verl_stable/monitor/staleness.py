@@ -38,7 +38,8 @@ STALENESS_NAMES: tuple[str, ...] = (
 )
 
 
-def _check_trust_region(eps_low: object, eps_high: object) -> tuple[float, float]:
+def check_trust_region(eps_low: object, eps_high: object) -> tuple[float, float]:
+    """``(eps_low, eps_high)`` as floats when ``0 <= eps_low < 1`` and ``0 <= eps_high < inf``, else ``ValueError``."""
     low, high = check_real("eps_low", eps_low), check_real("eps_high", eps_high)
     if not (0 <= low < 1 and 0 <= high < math.inf):
         raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0 (finite), got eps_low={low}, eps_high={high}")
@@ -86,7 +87,7 @@ def staleness_statistics(
     Returns:
         ``{name: 0-d float64 tensor}`` for each name of :data:`STALENESS_NAMES`, on the inputs' device.
     """
-    eps_low, eps_high = _check_trust_region(eps_low, eps_high)
+    eps_low, eps_high = check_trust_region(eps_low, eps_high)
     _check_log_probs(logp_theta, logp_old)
     valid = valid_mask(mask, "logp_theta", logp_theta)
     zero = torch.zeros((), dtype=torch.float64, device=logp_theta.device)
@@ -135,7 +136,7 @@ def staleness_metrics(
     to ``+-STALENESS_LOG_RATIO_BOUND``. An empty mask gives an empty dict. Defaults are MiniRL's
     ``eps_low = 0.2, eps_high = 0.27``.
     """
-    _check_trust_region(eps_low, eps_high)
+    check_trust_region(eps_low, eps_high)
     _check_log_probs(logp_theta, logp_old)
     sel = selection(mask, "logp_theta", logp_theta, usable_log_prob_pair(logp_theta, logp_old))
     if sel is None:

@@ -171,7 +171,8 @@ def option_problems(cfg: Any) -> list[str]:
     """What verl-stable's own option sections of a composed config would reject at run time (empty when fine).
 
     ``verl_stable.routing`` is read by the rollout-routing manager and ``rollout.engine_kwargs.hf`` by the ``hf``
-    backend (when ``rollout.name`` is ``hf``), both long after the run has started.
+    backend (when ``rollout.name`` is ``hf``), both long after the run has started; the trust region
+    ``actor.clip_ratio_low/high`` by verl-stable's losses and staleness monitor at the first update.
     """
     from omegaconf import OmegaConf
 
@@ -182,6 +183,18 @@ def option_problems(cfg: Any) -> list[str]:
         RolloutRoutingOptions.from_config(cfg)
     except (ValueError, TypeError) as exc:
         problems.append(str(exc))
+    if config_value(cfg, "actor_rollout_ref.actor.policy_loss.loss_mode") in ("minirl", "vespo"):
+        from verl_stable.monitor.staleness import check_trust_region
+
+        # verl's reading: each bound falls back to clip_ratio
+        ratio = config_value(cfg, "actor_rollout_ref.actor.clip_ratio")
+        low = config_value(cfg, "actor_rollout_ref.actor.clip_ratio_low")
+        high = config_value(cfg, "actor_rollout_ref.actor.clip_ratio_high")
+        low, high = (ratio if low is None else low), (ratio if high is None else high)
+        try:
+            check_trust_region(low, high)
+        except (ValueError, TypeError) as exc:
+            problems.append(f"actor.clip_ratio_low / clip_ratio_high (the trust region): {exc}")
     if config_value(cfg, "actor_rollout_ref.rollout.name") == "hf":
         from verl_stable.cpu.hf_options import resolve_options
 
