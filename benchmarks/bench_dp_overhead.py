@@ -1,0 +1,183 @@
+"""dp=2 step time of the R3 recipe's routing features against verl's plain GRPO, and routing bytes at dp=1 vs dp=2.
+
+Both variants run verl's ``main_ppo`` on the CPU runtime with the same shape: two actor ranks and two ``hf`` rollout
+replicas (``trainer.n_gpus_per_node=2``), 4 prompts x 4 samples per step, ``balance_batch`` and dynamic batch sizes
+on, every response exactly ``max_response_length`` tokens (``ignore_eos``, so both variants do the same work whatever
+they sample):
+
+* ``plain``: verl's GRPO as it comes: no routing export, ``router_replay.mode`` disabled, verl's agent-loop manager,
+  verl's ``sync`` trainer (no monitor, no guard).
+* ``r3``: what ``recipes/fsdp/minirl_n4_r3.yaml`` adds around the loss: the rollout exports its routed experts, the
+  plugin's agent-loop manager validates and compacts them (uint8, ragged, prompt rows once per group; per-sample
+  seeds, puts in dispatch order), R3 replays them in the old-log-prob pass and in the update, and ``stable_sync``
+  runs the monitor and the guard (the recipe's ``routing_interval``, default 10: routing metrics fetched every 10th
+  step). The loss stays verl's GRPO, so only the routing machinery differs.
+
+``--ladder`` adds the steps in between, each one feature more than the last: ``export`` (the rollout's routing
+through the plugin's agent-loop manager; with ``router_replay.mode`` disabled the engine only observes it: records
+the routing it used and logs the disagreement) and ``replay`` (+ R3, still verl's ``sync`` trainer).
+
+The runs alternate in ABBA order (plain, r3, r3, plain, plain, r3, ...) so that a change in the host's load hits every
+variant alike and a steady drift cancels; the figure is verl's own ``timing_s/step`` of every step after the first (the first
+holds start-up work): the median per variant and their ratio (target <= 1.05x), and the ratio of the two run medians
+of each round with the median of those ratios (a round is one run of each variant, back to back), and the ratio of
+the fastest steps: other processes' load only adds time to a step, so on a shared host the fastest steps are the
+least disturbed estimate. ``--report-only`` prints the figures of the runs already in ``--workdir``.
+
+Routing bytes per step (the transport's counters, ``stable/routing/transport/*``, computed on the driver from every
+sample's boundary counters) are read from the r3 runs at dp=2 and from one r3 run at dp=1. No metric counts the
+actors' reads of the shared prompt rows per rank (``attach_shared_prompt_rows`` issues one TransferQueue read per
+batch a rank receives); the script says so rather than estimate it.
+
+    python benchmarks/bench_dp_overhead.py [--runs 2] [--steps 4] [--ladder] [--routing-interval 10] [--skip-dp1]
+        [--workdir /tmp/bench_dp] [--report-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+VARIANTS = ("plain", "export", "replay", "r3")  # each adds one feature to the one before
+PHASES = ("gen", "old_log_prob", "update_actor", "update_weights")
+TRANSPORT = ("bytes", "verl_bytes", "bytes_ratio", "samples", "prompt_groups_shared", "shared_prompt_rows")
+COVERAGE = ("response_rows", "response_replayed_rows", "prompt_rows", "prompt_replayed_rows")
+
+
+def overrides(variant: str, assets, workdir: Path, *, steps: int, dp: int, routing_interval: int) -> list[str]:
+    """The hydra overrides of one run of ``variant`` at ``dp`` actor ranks (and as many rollout replicas)."""
+    from verl_stable.cpu import launch
+    from verl_stable.integration import rollout
+
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    level = VARIANTS.index(variant)
+    ov = launch.cpu_overrides(assets, steps=steps, routing_capture=level >= 1, metrics_logger=("file",))
+    ov += [
+        f"trainer.default_local_dir={workdir / 'ckpt'}",
+        f"trainer.n_gpus_per_node={dp}",
+        f"ray_kwargs.ray_init.num_gpus={dp}",  # one fake GPU per actor rank and rollout replica
+        "trainer.balance_batch=True",
+        "actor_rollout_ref.actor.use_dynamic_bsz=True",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=256",
+        "actor_rollout_ref.rollout.ignore_eos=True",  # the same number of tokens in both variants
+    ]
+    if level >= 1:
+        ov.append(f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={rollout.MANAGER_FQN}")
+    if level >= 2:
+        ov.append("+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3")
+    if level >= 3:
+        ov += ["trainer.v1.trainer_mode=stable_sync", f"+stable.monitor.routing_interval={routing_interval}"]
+    return ov
+
+
+def run(variant: str, assets, workdir: Path, *, steps: int, dp: int, routing_interval: int) -> list[dict]:
+    from verl_stable.cpu import launch
+
+    ov = overrides(variant, assets, workdir, steps=steps, dp=dp, routing_interval=routing_interval)
+    t0 = time.perf_counter()
+    proc = launch.run_main_ppo(ov, workdir, timeout_s=3600)
+    if proc.returncode != 0:
+        raise SystemExit(f"main_ppo ({variant}, dp={dp}) failed, see {workdir / 'main_ppo.log'}")
+    rows = launch.read_metrics(workdir / "metrics.jsonl")
+    print(f"  {variant:5s} dp={dp}: {len(rows)} steps, run wall {time.perf_counter() - t0:.0f} s", flush=True)
+    return rows
+
+
+def _median(rows: list[dict], key: str) -> float:
+    return statistics.median(r.get(key, 0.0) for r in rows)
+
+
+def report_timing(runs: dict[str, list[list[dict]]]) -> None:
+    """Print step times of ``{variant: [rows of run 0, rows of run 1, ...]}`` (rounds pair run i of each variant)."""
+    names = list(runs)
+    steady = {v: [[r for r in rows if r["step"] >= 2] for rows in runs[v]] for v in names}
+    flat = {v: [r for rows in steady[v] for r in rows] for v in names}
+    last = max(r["step"] for r in flat["plain"])
+    print(f"\nseconds per step (timing_s/step), steps 2..{last}, {len(runs['plain'])} runs per variant:")
+    step = {v: _median(flat[v], "timing_s/step") for v in names}
+    fastest = {v: min(r["timing_s/step"] for r in flat[v]) for v in names}
+    for v in names:
+        phases = ", ".join(f"{p} {_median(flat[v], f'timing_s/{p}'):.3f}" for p in PHASES)
+        print(f"  {v:6s}: median {step[v]:.3f} s, fastest {fastest[v]:.3f} s ({len(flat[v])} steps; medians: {phases})")
+    for v in names[1:]:
+        ratios = [
+            _median(mine, "timing_s/step") / _median(base, "timing_s/step")
+            for base, mine in zip(steady["plain"], steady[v], strict=True)
+        ]
+        # another process's load only ever adds time to a step: the fastest steps are the least disturbed
+        print(
+            f"  {v} / plain: medians {step[v] / step['plain']:.3f}x, fastest steps "
+            f"{fastest[v] / fastest['plain']:.3f}x, per round (run medians) "
+            + ", ".join(f"{r:.3f}x" for r in ratios)
+            + (" (target <= 1.05x)" if v == "r3" else "")
+        )
+    print(
+        "  fastest phase times, s: "
+        + "; ".join(
+            p + " " + "/".join(f"{min(r.get(f'timing_s/{p}', 0.0) for r in flat[v]):.3f}" for v in names)
+            for p in PHASES
+        )
+        + f" ({'/'.join(names)})"
+    )
+
+
+def report_routing(per_dp: dict[int, list[dict]]) -> None:
+    """Print the routing bytes and coverage rows per step of r3 runs at several dp sizes, step by step."""
+    print("\nrouting per step (r3 runs; stable/routing/transport/* and replay coverage row counts):")
+    steps = sorted(set.intersection(*({r["step"] for r in rows} for rows in per_dp.values())))
+    for s in steps:
+        for dp, rows in sorted(per_dp.items()):
+            row = next(r for r in rows if r["step"] == s)
+            transport = ", ".join(f"{k} {row.get(f'stable/routing/transport/{k}', float('nan')):g}" for k in TRANSPORT)
+            coverage = ", ".join(f"{k} {row.get(f'stable/routing/coverage/{k}', float('nan')):g}" for k in COVERAGE)
+            print(f"  step {s}, dp={dp}: {transport}\n                coverage rows: {coverage}")
+    print("  prompt-row side reads per rank: no metric exposes them (one TransferQueue read per batch an actor gets)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=2, help="runs per variant, interleaved")
+    parser.add_argument("--steps", type=int, default=4, help="steps per run (the first is not timed)")
+    parser.add_argument("--ladder", action="store_true", help="also the variants between plain and r3")
+    parser.add_argument("--dp", type=int, default=2, help="actor ranks of the timed runs")
+    parser.add_argument("--routing-interval", type=int, default=10, help="stable.monitor.routing_interval (recipe: 10)")
+    parser.add_argument("--skip-dp1", action="store_true", help="no dp=1 run for the routing bytes")
+    parser.add_argument("--report-only", action="store_true", help="print the figures of the runs in --workdir")
+    parser.add_argument("--workdir", default="/tmp/bench_dp")
+    args = parser.parse_args()
+    if args.steps < 2 or args.runs < 1:
+        parser.error("need --steps >= 2 (the first step is not timed) and --runs >= 1")
+
+    from verl_stable.cpu import launch
+    from verl_stable.lab.assets import AssetSpec, ensure_assets
+
+    workdir = Path(args.workdir)
+    kw = {"steps": args.steps, "dp": args.dp, "routing_interval": args.routing_interval}
+    names = VARIANTS if args.ladder else ("plain", "r3")
+    runs: dict[str, list[list[dict]]] = {v: [] for v in names}
+    if args.report_only:
+        for v in names:
+            for i in range(args.runs):
+                runs[v].append(launch.read_metrics(workdir / f"{v}_{i}" / "metrics.jsonl"))
+    else:
+        assets = ensure_assets(workdir / "assets", AssetSpec(task="copy"))
+        print(f"{args.runs} rounds of {names} in ABBA order at dp={args.dp}, {args.steps} steps each")
+        for i in range(args.runs):
+            for variant in names if i % 2 == 0 else names[::-1]:
+                runs[variant].append(run(variant, assets, workdir / f"{variant}_{i}", **kw))
+    report_timing(runs)
+
+    per_dp = {args.dp: runs["r3"][0]}
+    dp1 = workdir / "r3_dp1" / "metrics.jsonl"
+    if args.report_only and dp1.exists():
+        per_dp[1] = launch.read_metrics(dp1)
+    elif not args.report_only and not args.skip_dp1 and args.dp != 1:
+        per_dp[1] = run("r3", assets, workdir / "r3_dp1", **{**kw, "dp": 1, "steps": min(args.steps, 2)})
+    report_routing(per_dp)
+
+
+if __name__ == "__main__":
+    main()
