@@ -30,6 +30,13 @@ class RunSpec:
         return f"{self.variant}__N{self.staleness}__s{self.seed}"
 
 
+LAB_TOP_K = 2
+LAB_PRECISION = "int4"
+"""The lab's routing-mismatch setting, found by measurement (docs/lab.md, "The regime search"): top-2 routing and an
+int4-weight rollout flip ~10 % of routing decisions at the cold start, the rate the R3 paper measures between FP8
+inference and BF16 training on Qwen3-30B-A3B, with no artificial perturbation."""
+
+
 @dataclass(frozen=True)
 class Preset:
     """A sweep: which runs, how long, at what scale.
@@ -42,7 +49,8 @@ class Preset:
         mini_batch_prompts: prompts per mini-batch; a step has N mini-batches.
         group_size: samples per prompt.
         task: toy task of :mod:`verl_stable.cpu.tasks`.
-        precision: rollout precision (the training engine is fp32): fp8 / bf16 / fp16 / fp32 weights for the ``hf``
+        precision: rollout precision (the training engine is fp32; default: the lab's measured setting, int4): fp8,
+            fp8_w8a8, int4, bf16, fp16, fp32 for the ``hf``
             backend, fp32 / bf16 for ``vllm``.
         max_response_length: response token budget (answers are one digit + end of turn).
         coldstart: cold-start settings.
@@ -59,11 +67,11 @@ class Preset:
     mini_batch_prompts: int = 4
     group_size: int = 4
     task: str = "max"
-    precision: str = "fp8"
+    precision: str = LAB_PRECISION
     max_response_length: int = 4
     coldstart: ColdStartConfig = field(default_factory=ColdStartConfig)
     engine: str = "hf"
-    top_k: int = 4
+    top_k: int = LAB_TOP_K
     router_noise: float = 0.0
 
     def __post_init__(self) -> None:
@@ -117,12 +125,6 @@ class Preset:
         return [s for s in specs if any(s.name.startswith(p) for p in only)]
 
 
-LAB_TOP_K = 2
-LAB_PRECISION = "int4"
-"""The lab's routing-mismatch setting, found by measurement (docs/lab.md, "The regime search"): top-2 routing and an
-int4-weight rollout flip ~10 % of routing decisions at the cold start, the rate the R3 paper measures between FP8
-inference and BF16 training on Qwen3-30B-A3B, with no artificial perturbation."""
-
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
@@ -132,8 +134,6 @@ PRESETS: dict[str, Preset] = {
             runs=(("minirl", 4), ("minirl_r3", 4)),
             steps=8,
             seeds=(0, 1, 2),
-            precision=LAB_PRECISION,
-            top_k=LAB_TOP_K,
         ),
         # the full comparison (<= 60 min on 2 cores): the IS weight on-policy, R2 / R3 / VESPO at N = 4, clipping at
         # N = 8; 3 seeds each
@@ -151,8 +151,6 @@ PRESETS: dict[str, Preset] = {
             ),
             steps=8,
             seeds=(0, 1, 2),
-            precision=LAB_PRECISION,
-            top_k=LAB_TOP_K,
         ),
         # every variant at every N, 3 seeds, longer runs and bigger batches: hours on 2 cores
         Preset(
@@ -162,8 +160,6 @@ PRESETS: dict[str, Preset] = {
             seeds=(0, 1, 2),
             mini_batch_prompts=8,
             group_size=8,
-            precision=LAB_PRECISION,
-            top_k=LAB_TOP_K,
         ),
         # the CI smoke test: one R3 run of two steps in the lab's setting
         Preset(
@@ -172,8 +168,6 @@ PRESETS: dict[str, Preset] = {
             steps=2,
             mini_batch_prompts=2,
             group_size=4,
-            precision=LAB_PRECISION,
-            top_k=LAB_TOP_K,
         ),
     )
 }
