@@ -275,3 +275,15 @@ def test_run_cpu_refuses_a_trust_region_the_monitor_would_reject_at_the_first_up
 ):
     err = _refused(["run-cpu", "minirl_n4_r3", "--workdir", str(tmp_path), override], capsys)
     assert "actor.clip_ratio_low / clip_ratio_high (the trust region): need 0 <= eps_low < 1" in err and bad in err
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+        "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2",
+    ],
+)
+def test_run_cpu_refuses_ulysses_which_would_attend_per_slice_on_cpu(tmp_path, capsys, no_run, override):
+    err = _refused(["run-cpu", "minirl_n4_r3", "--workdir", str(tmp_path), override], capsys)
+    assert "Ulysses sequence parallelism" in err and "on the CPU runtime" in err and "sequence parallel size 1" in err

@@ -167,12 +167,25 @@ def unknown_gained_keys(before: Any, after: Any, backend: str) -> list[str]:
     return sorted(k for k in config_keys(after) - config_keys(before) if not is_known_key(base, k))
 
 
+ULYSSES_KEYS = (
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+    "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size",
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size",
+    "actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size",
+)
+"""Where verl reads the Ulysses degree. verl's Ulysses attention wraps flash-attention's varlen entry, which does not
+run on CPU; under ``sdpa`` verl does not refuse sp > 1, and each rank would attend only within its own slice of the
+sequence: wrong log-probs, no error. So the CPU runtime refuses sp > 1 before a run starts."""
+
+
 def option_problems(cfg: Any) -> list[str]:
     """What verl-stable's own option sections of a composed config would reject at run time (empty when fine).
 
     ``verl_stable.routing`` is read by the rollout-routing manager and ``rollout.engine_kwargs.hf`` by the ``hf``
     backend (when ``rollout.name`` is ``hf``), both long after the run has started; the trust region
-    ``actor.clip_ratio_low/high`` by verl-stable's losses and staleness monitor at the first update.
+    ``actor.clip_ratio_low/high`` by verl-stable's losses and staleness monitor at the first update; Ulysses sequence
+    parallelism on the CPU runtime (``trainer.device=cpu``), which would be silently wrong there (see
+    :data:`ULYSSES_KEYS`).
     """
     from omegaconf import OmegaConf
 
@@ -183,6 +196,15 @@ def option_problems(cfg: Any) -> list[str]:
         RolloutRoutingOptions.from_config(cfg)
     except (ValueError, TypeError) as exc:
         problems.append(str(exc))
+    if str(config_value(cfg, "trainer.device") or "").lower() == "cpu":
+        ulysses = {k: config_value(cfg, k) for k in ULYSSES_KEYS}
+        bad = {k: v for k, v in ulysses.items() if isinstance(v, int) and not isinstance(v, bool) and v > 1}
+        if bad:
+            problems.append(
+                f"Ulysses sequence parallelism {bad} on the CPU runtime: verl's Ulysses attention needs "
+                "flash-attention's varlen kernel, which does not run on CPU, and with sdpa each rank would attend only "
+                "within its own slice of the sequence (wrong log-probs, no error); use sequence parallel size 1 on CPU"
+            )
     if config_value(cfg, "actor_rollout_ref.actor.policy_loss.loss_mode") in ("minirl", "vespo"):
         from verl_stable.monitor.staleness import check_trust_region
 
