@@ -25,9 +25,9 @@ the fastest steps: other processes' load only adds time to a step, so on a share
 least disturbed estimate. ``--report-only`` prints the figures of the runs already in ``--workdir``.
 
 Routing bytes per step (the transport's counters, ``stable/routing/transport/*``, computed on the driver from every
-sample's boundary counters) are read from the r3 runs at dp=2 and from one r3 run at dp=1. No metric counts the
-actors' reads of the shared prompt rows per rank (``attach_shared_prompt_rows`` issues one TransferQueue read per
-batch a rank receives); the script says so rather than estimate it.
+sample's boundary counters) are read from the r3 runs at dp=2 and from one r3 run at dp=1, with the actors' reads of
+the shared prompt rows (``stable/routing/transport/side_*``, counted by each rank's ``SharedRowReader``): TransferQueue
+reads in all and per rank, entries fetched and entries served from what a rank already held, bytes fetched.
 
     python benchmarks/bench_dp_overhead.py [--runs 2] [--steps 4] [--ladder] [--routing-interval 10] [--skip-dp1]
         [--workdir /tmp/bench_dp] [--report-only]
@@ -43,6 +43,7 @@ from pathlib import Path
 VARIANTS = ("plain", "export", "replay", "r3")  # each adds one feature to the one before
 PHASES = ("gen", "old_log_prob", "update_actor", "update_weights")
 TRANSPORT = ("bytes", "verl_bytes", "bytes_ratio", "samples", "prompt_groups_shared", "shared_prompt_rows")
+SIDE_READS = ("side_reads", "side_reads_per_rank", "side_read_entries", "side_read_reused", "side_read_bytes")
 COVERAGE = ("response_rows", "response_replayed_rows", "prompt_rows", "prompt_replayed_rows")
 
 
@@ -125,7 +126,7 @@ def report_timing(runs: dict[str, list[list[dict]]]) -> None:
 
 
 def report_routing(per_dp: dict[int, list[dict]]) -> None:
-    """Print the routing bytes and coverage rows per step of r3 runs at several dp sizes, step by step."""
+    """Print the routing bytes, coverage rows and prompt-row side reads per step of r3 runs at several dp sizes."""
     print("\nrouting per step (r3 runs; stable/routing/transport/* and replay coverage row counts):")
     steps = sorted(set.intersection(*({r["step"] for r in rows} for rows in per_dp.values())))
     for s in steps:
@@ -133,8 +134,10 @@ def report_routing(per_dp: dict[int, list[dict]]) -> None:
             row = next(r for r in rows if r["step"] == s)
             transport = ", ".join(f"{k} {row.get(f'stable/routing/transport/{k}', float('nan')):g}" for k in TRANSPORT)
             coverage = ", ".join(f"{k} {row.get(f'stable/routing/coverage/{k}', float('nan')):g}" for k in COVERAGE)
-            print(f"  step {s}, dp={dp}: {transport}\n                coverage rows: {coverage}")
-    print("  prompt-row side reads per rank: no metric exposes them (one TransferQueue read per batch an actor gets)")
+            side = ", ".join(f"{k} {row.get(f'stable/routing/transport/{k}', float('nan')):g}" for k in SIDE_READS)
+            print(
+                f"  step {s}, dp={dp}: {transport}\n                coverage rows: {coverage}\n                {side}"
+            )
 
 
 def main() -> None:

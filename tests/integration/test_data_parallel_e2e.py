@@ -69,6 +69,19 @@ def test_two_ranks_and_two_replicas_replay_every_needed_row_exactly_once(runs):
 
 
 @pytest.mark.e2e
+def test_each_rank_reads_its_groups_shared_prompt_rows_once_per_step(runs):
+    for dp in RUNS:
+        for row in runs[dp][0]:
+            side = {k.rsplit("/", 1)[1]: v for k, v in row.items() if k.startswith("stable/routing/transport/side_")}
+            # compute_log_prob reads the rank's groups once; the update's mini-batch is served from what it holds
+            assert side["side_reads"] == dp and side["side_reads_per_rank"] == 1.0, (dp, side)
+            assert side["side_read_reused"] == side["side_read_entries"], (dp, side)
+            # a group split across two ranks is read by both: between 4 (no split) and 4 * dp entries
+            assert 4 <= side["side_read_entries"] <= 4 * dp, (dp, side)
+            assert side["side_read_bytes"] > 0
+
+
+@pytest.mark.e2e
 def test_two_ranks_sample_and_compute_what_one_rank_does(runs):
     one, two = runs[1][0], runs[2][0]
     for row1, row2 in zip(one, two, strict=True):  # the same tokens, whichever replica sampled them

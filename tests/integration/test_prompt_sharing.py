@@ -186,6 +186,60 @@ def test_group_stores_prompt_rows_once_and_every_sample_replays_its_own_routing(
     assert torch.equal(trace.to_tensor(), expected)
 
 
+def test_a_ranks_reader_reads_once_per_step_and_serves_the_update_mini_batches_from_what_it_holds():
+    rng = np.random.default_rng(4)
+    store = KVStore()
+    groups = [group_outputs(rng, 6, [3, 5, 2, 4]), group_outputs(rng, 9, [2, 2]), group_outputs(rng, 7, [4, 3])]
+    batch, reference, _ = shared_batch(rng, store, groups)
+    reads = []
+
+    def kv_batch_get(**kw):
+        reads.append(sorted(kw["keys"]))
+        return store.kv_batch_get(**kw)
+
+    reader = rollout.SharedRowReader(kv_batch_get)
+    sizes = {k: f[IDS_FIELD].numel() for k, (f, _) in store.data[rollout.PROMPT_PARTITION].items()}
+    # this rank's share of the step (groups 0 and 1, group 1 split with another rank): compute_log_prob
+    mine = [0, 1, 2, 3, 4]
+    old = tu.index_select_tensor_dict(batch, mine)
+    assert rollout.expand_compact_routing(old, LAYOUT, reader=reader)
+    assert len(reads) == 1 and len(reader) == 2
+    assert reader.take_counts() == {
+        "side_reads": 1,
+        "side_read_entries": 2,
+        "side_read_reused": 0,
+        "side_read_bytes": sizes[reads[0][0]] + sizes[reads[0][1]],
+    }
+    # update_actor: the same samples reshuffled into two mini-batches read nothing and replay the same rows
+    for part in ([4, 1], [3, 0, 2]):
+        mini = tu.index_select_tensor_dict(batch, part)
+        assert rollout.expand_compact_routing(mini, LAYOUT, reader=reader)
+        for got, j in zip(mini["routed_experts"].unbind(), part, strict=True):
+            assert torch.equal(got, reference[j]), j
+    assert len(reads) == 1
+    assert reader.take_counts() == {
+        "side_reads": 0,
+        "side_read_entries": 0,
+        "side_read_reused": 3,
+        "side_read_bytes": 0,
+    }
+    # the next step's batch (group 2 new, group 1 held): one read of the new entry only; then the reader holds
+    # exactly that batch's entries
+    nxt = tu.index_select_tensor_dict(batch, [5, 6, 7])
+    assert rollout.expand_compact_routing(nxt, LAYOUT, reader=reader)
+    assert len(reads) == 2 and len(reads[1]) == 1 and len(reader) == 2
+    assert reader.take_counts()["side_read_reused"] == 1
+    for got, j in zip(nxt["routed_experts"].unbind(), [5, 6, 7], strict=True):
+        assert torch.equal(got, reference[j]), j
+    # an entry cleared from TransferQueue is an error, held or not held by another reader
+    (gone,) = reads[1]
+    store.kv_clear([gone], rollout.PROMPT_PARTITION)
+    with pytest.raises(rollout.SharedPromptRowsError, match="not in TransferQueue"):
+        rollout.expand_compact_routing(
+            tu.index_select_tensor_dict(batch, [6]), LAYOUT, reader=rollout.SharedRowReader(store.kv_batch_get)
+        )
+
+
 def test_bytes_count_the_shared_rows_once():
     rng = np.random.default_rng(1)
     store = KVStore()

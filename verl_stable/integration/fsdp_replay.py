@@ -42,6 +42,10 @@ to ``stable/routing/...`` and add one value per update mini-step):
 * ``stable/routing/coverage/<count>`` (replaying passes only: R3, and R2's update): the replay coverage of the
   micro-batch in (token, MoE layer) rows, :data:`~verl_stable.monitor.routing_metrics.COVERAGE_COUNTS` (classes
   in :mod:`verl_stable.integration.replay_pass`), counted on the whole micro-batch before any Ulysses slicing.
+* ``stable/routing/transport/<count>`` for :data:`~verl_stable.integration.rollout.SIDE_READ_COUNTS` (batches
+  carrying the rollout's compact routing): the rank's TransferQueue reads of shared prompt rows since its last
+  update mini-step (so including its ``compute_log_prob``), on the first micro-batch of each update mini-step;
+  ``stable/routing/transport/side_reads_per_rank`` the same read count averaged over ranks.
 
 Aggregation. ``forward_step`` hands every ``stable/...`` metric (ours and the staleness metrics of the
 ``minirl`` / ``vespo`` losses) to verl as a :class:`verl.utils.metric.Metric` (see
@@ -51,7 +55,7 @@ extreme), where plain numbers would only be concatenated across mini-steps. The 
 ``Metric(SUM)`` scaled by the data-parallel size instead: verl's ``aggregate_dp`` averages a SUM metric over ranks
 and sums it over micro-batches, so each rank's count times ``dp_size`` arrives as the sum over ranks and
 micro-batches of the mini-step; the monitored trainers sum the mini-steps (and local updates) of a step and form
-the ``stable/routing/coverage/*`` fractions from those totals.
+the ``stable/routing/coverage/*`` fractions from those totals. The side-read counts travel the same way.
 
 This module owns :class:`RouterReplayMixin`, the state machine driven by verl's engine hooks (``initialize``,
 ``disable_adapter``, ``forward_backward_batch``, ``prepare_model_inputs`` / ``prepare_model_outputs``,
@@ -88,12 +92,13 @@ from verl_stable.integration.replay_pass import (
     routed_rows,
     token_roles,
 )
-from verl_stable.integration.rollout import expand_compact_routing
+from verl_stable.integration.rollout import TRANSPORT_METRIC_PREFIX, SharedRowReader, expand_compact_routing
 from verl_stable.monitor.routing_metrics import COVERAGE
 from verl_stable.routing import alignment
 from verl_stable.routing.disagreement import expert_sets_differ
 from verl_stable.routing.families import ModelRouting, UnsupportedModelError, bind_model
 from verl_stable.routing.trace import MISSING
+from verl_stable.routing.transport import IDS_FIELD
 
 logger = logging.getLogger("verl_stable")
 
@@ -133,6 +138,8 @@ class RouterReplayMixin:
         self._model_routing: ModelRouting | None = None
         self._routing_unsupported: str | None = None
         self._replay_pass: ReplayPass | None = None
+        self._prompt_rows = SharedRowReader()
+        self._side_read_counts: dict[str, int] | None = None
         if mode != "disabled" and self._engine_forward_only:
             logger.info("router_replay.mode=%s ignored by a forward-only engine (reference policy never replays)", mode)
 
@@ -180,11 +187,13 @@ class RouterReplayMixin:
         return action
 
     def forward_backward_batch(self, data: TensorDict, loss_function: Callable, forward_only: bool = False) -> Any:
-        if self._model_routing is not None:
+        if self._model_routing is not None and IDS_FIELD in data.keys():
             # The rollout side ships compact uint8 routing (integration.rollout); expand it to verl's layout here,
-            # on the actor, only for the batch being processed (after one TransferQueue read of the prompt rows
-            # its groups share, see rollout.attach_shared_prompt_rows).
-            expand_compact_routing(data, self._model_routing.layout)
+            # on the actor, only for the batch being processed (the prompt rows its groups share come from the
+            # rank's reader: one TransferQueue read per step, see rollout.SharedRowReader).
+            expand_compact_routing(data, self._model_routing.layout, reader=self._prompt_rows)
+            if not forward_only:  # reported with the mini-step's first micro-batch (forward_step)
+                self._side_read_counts = self._prompt_rows.take_counts()
         action = self._action_for(data, forward_only)
         if action is ReplayAction.NONE:
             return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
@@ -246,12 +255,19 @@ class RouterReplayMixin:
         if output.get("metrics"):
             relabel_stable_metrics(output["metrics"])
         coverage = None if replay_pass is None or replay_pass.targets is None else replay_pass.targets.coverage
-        if coverage is not None:
+        side_reads, self._side_read_counts = self._side_read_counts, None
+        if coverage is not None or side_reads is not None:
             # after the relabelling, which would make them MEAN: counts add up (see the module docstring)
             dp_size = int(tu.get_non_tensor_data(data=micro_batch, key="dp_size", default=1) or 1)
             metrics = output.setdefault("metrics", {})
-            for name, count in coverage.items():
+            for name, count in (coverage or {}).items():
                 metrics[f"{COVERAGE}/{name}"] = Metric(aggregation=AggregationType.SUM, value=count * dp_size)
+            for name, count in (side_reads or {}).items():
+                metrics[TRANSPORT_METRIC_PREFIX + name] = Metric(aggregation=AggregationType.SUM, value=count * dp_size)
+            if side_reads is not None:
+                metrics[f"{TRANSPORT_METRIC_PREFIX}side_reads_per_rank"] = Metric(
+                    aggregation=AggregationType.SUM, value=side_reads["side_reads"]
+                )
         return loss, output
 
     # ------------------------------------------------------------------------------------------- alignment

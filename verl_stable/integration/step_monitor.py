@@ -33,7 +33,8 @@ micro-batches and data-parallel ranks; verl's ``reduce_metrics`` would average t
 sums them instead (:func:`coverage_totals` on the same unreduced output, added up over the local updates of a
 step) and :meth:`StepMonitor.step` logs those totals as ``stable/routing/coverage/<count>`` and the fractions of
 :func:`verl_stable.monitor.routing_metrics.replay_coverage_metrics`, which the guard's ``replay_coverage`` rule
-watches.
+watches. The actors' reads of shared prompt rows (``stable/routing/transport/side_*``, see
+:class:`verl_stable.integration.rollout.SharedRowReader`) are summed the same way (:data:`SUMMED_UPDATE_COUNTS`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDict
 
+from verl_stable.integration.rollout.boundary import TRANSPORT_METRIC_PREFIX
+from verl_stable.integration.rollout.sharing import SIDE_READ_COUNTS
 from verl_stable.monitor import metrics as M
 from verl_stable.monitor.common import check_bool
 from verl_stable.monitor.guard import Guard, Verdict
@@ -354,31 +357,39 @@ PER_UPDATE_METRICS: tuple[str, ...] = (
 )
 
 
-def coverage_totals(raw: Mapping[str, Any]) -> dict[str, float]:
-    """The replay-coverage counts of verl's unreduced ``update_actor`` metrics, summed over the update mini-steps.
+SUMMED_UPDATE_COUNTS: tuple[str, ...] = (
+    *(f"{COVERAGE}/{name}" for name in COVERAGE_COUNTS),
+    *(TRANSPORT_METRIC_PREFIX + name for name in (*SIDE_READ_COUNTS, "side_reads_per_rank")),
+)
+"""Counts the replay engine returns per update mini-step that add up over a step (replay coverage rows, side reads)."""
+
+
+def coverage_totals(raw: Mapping[str, Any], keys: Sequence[str] = SUMMED_UPDATE_COUNTS) -> dict[str, float]:
+    """The counts ``keys`` of verl's unreduced ``update_actor`` metrics, summed over the update mini-steps.
 
     Each per-mini-step value is already the sum over that mini-step's micro-batches and data-parallel ranks (see
     :mod:`verl_stable.integration.fsdp_replay`), so the result is the count of the whole ``update_actor`` call.
 
     Args:
         raw: the ``metrics`` of ``update_actor``'s output (lists, one value per mini-step, or plain numbers).
+        keys: the counts to sum (default: replay coverage rows and the actors' side reads).
 
     Returns:
-        ``{"stable/routing/coverage/<count>": total}`` for the counts present; empty when replay did not run.
+        ``{key: total}`` for the counts present (e.g. ``stable/routing/coverage/<count>``); empty when replay did
+        not run.
 
     Raises:
         ValueError: If a value is not a number.
     """
     out: dict[str, float] = {}
-    for name in COVERAGE_COUNTS:
-        key = f"{COVERAGE}/{name}"
+    for key in keys:
         values = raw.get(key, raw.get(f"actor/{key}"))
         if values is None:
             continue
         values = list(values) if isinstance(values, (list, tuple)) else [values]
         for value in values:
             if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
-                raise ValueError(f"coverage count {key!r} holds a {type(value).__name__}, not a number")
+                raise ValueError(f"count {key!r} holds a {type(value).__name__}, not a number")
         out[key] = float(sum(float(v) for v in values))
     return out
 

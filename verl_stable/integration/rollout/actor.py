@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from verl_stable.integration.rollout.sharing import attach_shared_prompt_rows
+from verl_stable.integration.rollout.sharing import SharedRowReader, attach_shared_prompt_rows
 from verl_stable.routing.codecs import RoutedRows, RowCountError, encode_verl_batch, rows_to_trace
 from verl_stable.routing.trace import RoutingLayout, RoutingTrace
 from verl_stable.routing.transport import IDS_FIELD, SPAN_FIELD, rows_from_fields
@@ -78,20 +78,23 @@ def routing_trace_from_batch(data: Any, layout: RoutingLayout, kv_batch_get: Any
     return rows_to_trace(_batch_rows(data, lengths), lengths, layout)
 
 
-def expand_compact_routing(data: Any, layout: RoutingLayout, kv_batch_get: Any = None) -> bool:
+def expand_compact_routing(
+    data: Any, layout: RoutingLayout, kv_batch_get: Any = None, reader: SharedRowReader | None = None
+) -> bool:
     """Actor side, per (mini-/micro-)batch: add verl's ``routed_experts`` from the compact fields, in place.
 
     Produces verl's V1 form, jagged int16 ``[B, (prompt_len_i + response_len_i), num_hidden_layers, top_k]`` aligned
     with the jagged ``input_ids``, zero rows where nothing was recorded, so a replay engine written for verl's layout
     consumes it unchanged. Shared prompt rows are re-attached first (:func:`~.sharing.attach_shared_prompt_rows`:
-    one ``kv_batch_get`` of the batch's groups, default TransferQueue's). Returns True when it added the field.
+    through the rank's ``reader`` if given, else one ``kv_batch_get`` of the batch's groups, default
+    TransferQueue's). Returns True when it added the field.
     """
     if IDS_FIELD not in data.keys() or "routed_experts" in data.keys():
         return False
     input_ids = data["input_ids"]
     if not input_ids.is_nested:
         raise RowCountError("expanding compact routing needs jagged input_ids (verl's V1 / TransferQueue batches)")
-    attach_shared_prompt_rows(data, kv_batch_get, layout)
+    attach_shared_prompt_rows(data, kv_batch_get, layout, reader)
     lengths = input_ids.offsets().diff().tolist()
     rows = [r if r is not None else _no_rows(layout) for r in _batch_rows(data, lengths)]
     data["routed_experts"] = encode_verl_batch(rows, layout, lengths, nested=True).to(input_ids.device)

@@ -18,7 +18,9 @@ not a sample. This module owns every step of its life (``+verl_stable.routing.sh
    prompt rows back in front of each sample's own rows. A missing or misshapen entry raises
    :class:`SharedPromptRowsError`; rows that arrive in another dtype than the sample's are validated (against the
    layout when given) before they are narrowed, so a wrapped id can never become a plausible one. Each
-   data-parallel rank reads the entries of the groups it holds;
+   data-parallel rank reads the entries of the groups it holds, through its :class:`SharedRowReader`, which keeps
+   the entries of its last read: verl hands a rank the same samples for ``compute_log_prob`` and every update
+   mini-step of a step, so a rank reads once per step (counted: :data:`SIDE_READ_COUNTS`);
 3. lifetime (:func:`clear_stale_prompt_rows`, :func:`async_clear_stale_prompt_rows`): entries whose group has no key
    left in ``train`` / ``val`` are cleared by every worker when verl dispatches new prompts (any trainer class) and
    by the stable trainers (``trainer.v1.trainer_mode=stable_*``) at every step start and after the last step, so
@@ -64,7 +66,9 @@ __all__ = [
     "PromptRowSharing",
     "ShareDecision",
     "SharedPrompt",
+    "SIDE_READ_COUNTS",
     "SharedPromptRowsError",
+    "SharedRowReader",
     "async_clear_stale_prompt_rows",
     "attach_shared_prompt_rows",
     "clear_stale_prompt_rows",
@@ -82,6 +86,9 @@ PROMPT_REF_FIELD = "stable_routing_prompt_ref"
 """Per-sample int64 ``[3]``: ``(rows, key_hi, key_lo)``. ``rows > 0``: the sample's first ``rows`` routing rows are
 not in its :data:`IDS_FIELD` but in the :data:`PROMPT_PARTITION` entry whose key is the 16 bytes ``key_hi, key_lo``
 (big-endian) in hex; ``rows == 0``: the sample carries all its rows (not shared, or already re-attached)."""
+SIDE_READ_COUNTS: tuple[str, ...] = ("side_reads", "side_read_entries", "side_read_reused", "side_read_bytes")
+"""What re-attaching shared prompt rows cost an actor rank (:meth:`SharedRowReader.take_counts`): TransferQueue reads
+issued, entries fetched by them, entries served from the rank's held entries instead, bytes fetched."""
 SOURCE_PARTITIONS = ("train", "val")
 """verl V1's sample partitions (``AgentLoopWorkerTQ``): a side entry lives while its group has a key in one."""
 
@@ -281,12 +288,77 @@ def _check_before_cast(
         raise type(exc)(f"{where}: {exc}") from None
 
 
-def attach_shared_prompt_rows(data: Any, kv_batch_get: Any = None, layout: RoutingLayout | None = None) -> int:
+class SharedRowReader:
+    """One actor rank's reader of side entries: fetches what a batch needs, keeps the entries of its last fetch.
+
+    verl dispatches the same samples to a data-parallel rank for ``compute_log_prob`` and for ``update_actor`` (whose
+    mini-batches are subsets of them), so after the first read of a step every later batch of the rank refers to
+    entries already held and reads nothing. Holding an entry can never serve stale rows: its key covers its content
+    (:func:`prompt_rows_key`). Only the entries of the last batch that needed a read are held (that batch
+    materialised them anyway): a batch with any entry not held fetches the missing ones in one ``kv_batch_get`` and
+    then holds exactly its own entries.
+
+    Args:
+        kv_batch_get: TransferQueue's ``kv_batch_get`` signature; default TransferQueue's, resolved at the first read.
+    """
+
+    def __init__(self, kv_batch_get: Any = None) -> None:
+        self._kv_batch_get = kv_batch_get
+        self._held: dict[str, torch.Tensor] = {}
+        self._counts = dict.fromkeys(SIDE_READ_COUNTS, 0)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def rows(self, keys: Sequence[str]) -> dict[str, torch.Tensor]:
+        """``{key: [rows, num_moe_layers, top_k]}`` for the distinct ``keys``.
+
+        Raises:
+            SharedPromptRowsError: an entry TransferQueue does not hold (cleared before the actor read it, or
+                never put).
+        """
+        missing = [k for k in keys if k not in self._held]
+        self._counts["side_read_reused"] += len(keys) - len(missing)
+        if not missing:
+            return {k: self._held[k] for k in keys}
+        fetched = self._fetch(missing)
+        self._counts["side_reads"] += 1
+        self._counts["side_read_entries"] += len(missing)
+        self._counts["side_read_bytes"] += sum(t.numel() * t.element_size() for t in fetched.values())
+        self._held = {k: self._held[k] if k in self._held else fetched[k] for k in keys}
+        return dict(self._held)
+
+    def take_counts(self) -> dict[str, int]:
+        """The :data:`SIDE_READ_COUNTS` since the last call, restarting them."""
+        counts, self._counts = self._counts, dict.fromkeys(SIDE_READ_COUNTS, 0)
+        return counts
+
+    def _fetch(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        if self._kv_batch_get is None:
+            import transfer_queue as tq
+
+            self._kv_batch_get = tq.kv_batch_get
+        try:
+            got = self._kv_batch_get(keys=keys, partition_id=PROMPT_PARTITION, select_fields=[IDS_FIELD])
+        except (ValueError, KeyError) as exc:  # TransferQueue: "keys or partition were not found!"
+            raise SharedPromptRowsError(
+                f"{len(keys)} shared prompt-row entries (e.g. {keys[0]}) are not in TransferQueue partition "
+                f"{PROMPT_PARTITION!r}: they were cleared before the actor read the batch, or never put ({exc})"
+            ) from exc
+        found = got[IDS_FIELD]
+        return dict(zip(keys, list(found.unbind()) if found.is_nested else list(found.unbind(0)), strict=True))
+
+
+def attach_shared_prompt_rows(
+    data: Any, kv_batch_get: Any = None, layout: RoutingLayout | None = None, reader: SharedRowReader | None = None
+) -> int:
     """Actor side: put the shared prompt rows back in front of each sample's own :data:`IDS_FIELD`, in place.
 
-    One ``kv_batch_get`` of the batch's distinct side entries. Afterwards :data:`IDS_FIELD` covers each sample's
-    whole span again and :data:`PROMPT_REF_FIELD` is zero, so a second call reads nothing. Rows that arrive in
-    another dtype than the sample's own are checked before the cast (validated against ``layout`` when given).
+    The batch's distinct side entries come from ``reader`` (a rank's :class:`SharedRowReader`: one ``kv_batch_get``
+    of the entries it does not hold), else from one ``kv_batch_get`` (``kv_batch_get``, default TransferQueue's).
+    Afterwards :data:`IDS_FIELD` covers each sample's whole span again and :data:`PROMPT_REF_FIELD` is zero, so a
+    second call reads nothing. Rows that arrive in another dtype than the sample's own are checked before the cast
+    (validated against ``layout`` when given).
 
     Returns:
         The number of samples that got their prompt rows back.
@@ -305,19 +377,7 @@ def attach_shared_prompt_rows(data: Any, kv_batch_get: Any = None, layout: Routi
         return 0
     keys = [key_of_ref(ref) if s else None for ref, s in zip(refs.tolist(), shared, strict=True)]
     unique = sorted({k for k in keys if k is not None})
-    if kv_batch_get is None:
-        import transfer_queue as tq
-
-        kv_batch_get = tq.kv_batch_get
-    try:
-        got = kv_batch_get(keys=unique, partition_id=PROMPT_PARTITION, select_fields=[IDS_FIELD])
-    except (ValueError, KeyError) as exc:  # TransferQueue: "keys or partition were not found!"
-        raise SharedPromptRowsError(
-            f"{len(unique)} shared prompt-row entries (e.g. {unique[0]}) are not in TransferQueue partition "
-            f"{PROMPT_PARTITION!r}: they were cleared before the actor read the batch, or never put ({exc})"
-        ) from exc
-    found = got[IDS_FIELD]
-    rows_of = dict(zip(unique, list(found.unbind()) if found.is_nested else list(found.unbind(0)), strict=True))
+    rows_of = (reader if reader is not None else SharedRowReader(kv_batch_get)).rows(unique)
     parts = _unbind_ids(data[IDS_FIELD])
     if len(parts) != len(keys):
         raise SharedPromptRowsError(f"{len(parts)} routing entries but {len(keys)} {PROMPT_REF_FIELD} rows")
