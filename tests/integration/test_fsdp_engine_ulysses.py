@@ -12,8 +12,9 @@ to full sequence / split heads, attention, all-to-all back); its ``sdpa`` path h
 sdpa each rank would attend only inside its own slice. flash-attn does not run on CPU. The ranks therefore run
 verl's real ``apply_monkey_patch`` and its real all-to-all, and only the kernel underneath (verl's reference to
 transformers' ``_flash_attention_forward``) is replaced by a pure-torch varlen causal attention (block-diagonal by
-``position_ids``, as flash-attn's varlen path does). With that, SP log-probs are compared with a single-rank engine
-running transformers' own ``sdpa`` on the whole packed sequence (an independent attention implementation).
+``position_ids``, as flash-attn's varlen path does: the CPU runtime's ``verl_stable.cpu.attention.
+varlen_causal_attention``). With that, SP log-probs are compared with a single-rank engine running transformers' own
+``sdpa`` on the whole packed sequence (an independent attention implementation).
 
 References: the experts every MoE block actually used, read by a pre-hook on its ``experts`` module (independent of
 the routing library and of the engine's recorders); the rollout routing given to R3; a single-rank R3 forward; a
@@ -28,6 +29,8 @@ import traceback
 
 import pytest
 import torch
+
+from verl_stable.cpu.attention import varlen_causal_attention
 
 LENGTHS = [5, 7, 3, 6]  # 21 packed tokens: one Ulysses pad row, 11 rows per rank
 NUM_LAYERS, MOE_LAYERS, EXPERTS, TOPK = 3, (0, 2), 8, 2
@@ -101,27 +104,10 @@ def _batch(routed: torch.Tensor | None):
     return td
 
 
-def varlen_causal_attention(query, key, value, attention_mask, query_length, *args, position_ids=None, **kwargs):
-    """flash-attn varlen semantics in pure torch: causal attention inside each packed sequence.
-
-    ``query`` ``[1, S, H, D]``, ``key`` / ``value`` ``[1, S, H_kv, D]`` (H a multiple of H_kv), ``position_ids``
-    ``[1, S]``: a sequence starts wherever the position does not continue the previous one (``p_t != p_{t-1} + 1``),
-    and token t attends to s iff both lie in the same sequence and s <= t.
-    ``out = softmax(q k^T * scale + mask) v``, returned as ``[1, S, H, D]``.
-    """
-    assert attention_mask is None and query.shape[0] == 1 and position_ids is not None, "packed inputs only"
+def _recorded_kernel(query, *args, **kwargs):
+    """The CPU runtime's varlen kernel, recording each call's (sequence length, heads)."""
     KERNEL_CALLS.append((query.shape[1], query.shape[2]))
-    pos = position_ids.reshape(-1)
-    starts = torch.ones_like(pos, dtype=torch.bool)
-    starts[1:] = pos[1:] != pos[:-1] + 1
-    seq = starts.cumsum(0)
-    n = pos.numel()
-    allowed = (seq[:, None] == seq[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [1, H, S, D]
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=kwargs["softmax_scale"])
-    return out.transpose(1, 2)
+    return varlen_causal_attention(query, *args, **kwargs)
 
 
 def _install_ulysses_attention(model) -> None:
@@ -132,7 +118,7 @@ def _install_ulysses_attention(model) -> None:
 
     monkey_patch.apply_monkey_patch(model=model, ulysses_sp_size=SP, use_remove_padding=True)
     assert flash_attention._flash_attention_forward is monkey_patch._ulysses_flash_attention_forward
-    monkey_patch._flash_attention_forward = varlen_causal_attention  # the kernel under verl's all-to-all
+    monkey_patch._flash_attention_forward = _recorded_kernel  # the kernel under verl's all-to-all
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         # transformers' flash_attention_forward convention: [B, H, S, D] in, [B, S, H, D] out.

@@ -15,7 +15,7 @@ normalisation, with fixed per-token advantages ``A``.
 Under Ulysses each sp rank computes the loss on the log-probs gathered over its group; verl's ``Gather`` scales the
 gradient of its own slice by the group size and FSDP averages the gradients over all ranks, so the result is the
 full-batch gradient. Attention: the sp ranks run verl's real Ulysses all-to-all around a pure-torch varlen kernel
-(``test_fsdp_engine_ulysses.varlen_causal_attention``; flash-attn does not run on CPU); the reference runs
+(``verl_stable.cpu.attention.varlen_causal_attention``; flash-attn does not run on CPU); the reference runs
 transformers' own ``sdpa`` on the whole packed sequence, an independent attention implementation.
 
 * R3: one update on the rollout's routing (random experts, so the gradient can only match if every rank replayed
@@ -44,8 +44,9 @@ from test_fsdp_engine_ulysses import (
     _model,
     _rollout_routing,
     _UsedExperts,
-    varlen_causal_attention,
 )
+
+from verl_stable.cpu.attention import varlen_causal_attention
 
 # seven processes that each import verl and build its engine three times: minutes on two cores, so scheduled with the
 # end-to-end files (tests/conftest.py) and left out by ``-m "not e2e"``

