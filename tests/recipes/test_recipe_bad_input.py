@@ -287,3 +287,50 @@ def test_run_cpu_refuses_a_trust_region_the_monitor_would_reject_at_the_first_up
 def test_run_cpu_refuses_ulysses_which_would_attend_per_slice_on_cpu(tmp_path, capsys, no_run, override):
     err = _refused(["run-cpu", "minirl_n4_r3", "--workdir", str(tmp_path), override], capsys)
     assert "Ulysses sequence parallelism" in err and "on the CPU runtime" in err and "sequence parallel size 1" in err
+    # the message names the fix: the packed run with the varlen kernel
+    assert "actor_rollout_ref.model.use_remove_padding=True" in err and "attn_implementation=verl_stable_varlen" in err
+
+
+ULYSSES_SP2 = [
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+    "trainer.n_gpus_per_node=2",
+    "ray_kwargs.ray_init.num_gpus=2",
+]
+
+
+@pytest.mark.parametrize(
+    "attention",
+    [
+        # packed with sdpa or eager: still per-slice attention
+        [
+            "actor_rollout_ref.model.use_remove_padding=True",
+            "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        ],
+        [
+            "actor_rollout_ref.model.use_remove_padding=True",
+            "+actor_rollout_ref.model.override_config.attn_implementation=eager",
+        ],
+        # the kernel without packing: verl's Ulysses path needs use_remove_padding
+        [
+            "actor_rollout_ref.model.use_remove_padding=False",
+            "+actor_rollout_ref.model.override_config.attn_implementation=verl_stable_varlen",
+        ],
+    ],
+)
+def test_preflight_refuses_ulysses_on_cpu_without_the_packed_varlen_kernel(attention):
+    overrides = [o for o in launch.cpu_overrides(launch.asset_paths("/tmp/unused")) if "attn_implementation" not in o]
+    with pytest.raises(ValueError, match=r"Ulysses sequence parallelism .* on the CPU runtime") as info:
+        R.preflight([*overrides, *attention, *ULYSSES_SP2])
+    assert "use verl-stable's varlen kernel" in str(info.value)
+
+
+def test_preflight_accepts_ulysses_on_cpu_with_the_packed_varlen_kernel():
+    from verl_stable.cpu import attention
+    from verl_stable.recipes.validate import ULYSSES_CPU_ATTENTION
+
+    overrides = launch.cpu_overrides(launch.asset_paths("/tmp/unused"), attention="varlen")
+    cfg = R.preflight([*overrides, *ULYSSES_SP2])
+    assert cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size == 2
+    # the preflight's notion of "the kernel" is the CPU runtime's overrides
+    expected = {f"{'+' if 'override_config' in k else ''}{k}={v}" for k, v in ULYSSES_CPU_ATTENTION.items()}
+    assert expected == set(attention.OVERRIDES)

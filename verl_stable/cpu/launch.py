@@ -22,6 +22,7 @@ from typing import Any
 
 from verl_stable import recipes
 from verl_stable.argtypes import positive_int, positive_seconds
+from verl_stable.cpu import attention as varlen_attention
 from verl_stable.cpu import tasks, vllm_rollout
 from verl_stable.cpu.assets import Assets, AssetSpec, asset_paths, ensure_assets
 from verl_stable.cpu.hf_options import PRECISIONS
@@ -35,6 +36,7 @@ from verl_stable.cpu.trainer_process import (
 )
 
 __all__ = [
+    "ATTENTIONS",
     "CPU_GROUP_SIZE",
     "CPU_MINI_BATCH_PROMPTS",
     "ENGINES",
@@ -67,7 +69,8 @@ RUNTIME_OVERRIDES: tuple[str, ...] = (
     "+ray_kwargs.ray_init.include_dashboard=False",
     "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
     "actor_rollout_ref.actor.strategy=fsdp2",
-    "actor_rollout_ref.model.use_remove_padding=False",  # flash-attn varlen path is GPU-only
+    # flash-attn's varlen path is GPU-only; attention="varlen" swaps in verl_stable.cpu.attention (ATTENTIONS)
+    "actor_rollout_ref.model.use_remove_padding=False",
     "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
     "actor_rollout_ref.rollout.name=hf",
     "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
@@ -76,6 +79,16 @@ RUNTIME_OVERRIDES: tuple[str, ...] = (
     "data.dataloader_num_workers=0",
 )
 
+
+# The actor's attention on CPU: padded batches with transformers' sdpa (the default), or packed batches
+# (use_remove_padding) with the pure-torch varlen kernel, which also serves verl's Ulysses sequence parallelism.
+ATTENTIONS: dict[str, tuple[str, ...]] = {
+    "sdpa": (
+        "actor_rollout_ref.model.use_remove_padding=False",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+    ),
+    "varlen": varlen_attention.OVERRIDES,
+}
 
 ENGINES = ("hf", "vllm")
 # vLLM's CPU build serves these rollout precisions (verl's ``rollout.dtype``); fp8/fp16 weights are the hf backend's.
@@ -132,6 +145,7 @@ def cpu_overrides(
     kl_loss_coef: float | None = None,
     metrics_logger: Sequence[str] = ("console", "file"),
     engine: str = "hf",
+    attention: str = "sdpa",
 ) -> list[str]:
     """Hydra overrides for a GRPO run of the tiny assets on the CPU runtime.
 
@@ -149,9 +163,21 @@ def cpu_overrides(
             forward-only reference engine and logs ``actor/kl_loss``. None: no KL loss, no reference model.
         engine: rollout engine, ``hf`` (the project's backend) or ``vllm`` (verl's own vLLM rollout on vLLM's CPU
             build; assets from :func:`asset_spec`).
+        attention: the actor's (and reference's) attention, a key of :data:`ATTENTIONS`: ``sdpa`` (padded batches)
+            or ``varlen`` (packed batches, :mod:`verl_stable.cpu.attention`; needed for Ulysses sp > 1).
+
+    Raises:
+        ValueError: an unknown attention, or an engine / precision :func:`engine_overrides` refuses.
     """
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {sorted(ATTENTIONS)}, got {attention!r}")
     reward_path = tasks.__file__
-    ov = [o for o in RUNTIME_OVERRIDES if not o.startswith("actor_rollout_ref.rollout.name=")]
+    chosen = {item.split("=", 1)[0]: item for item in ATTENTIONS[attention]}  # same keys for every attention
+    ov = [
+        chosen.get(o.split("=", 1)[0], o)
+        for o in RUNTIME_OVERRIDES
+        if not o.startswith("actor_rollout_ref.rollout.name=")
+    ]
     ov += engine_overrides(engine, precision, sync_weights)
     ov += [
         f"data.train_files={assets.train_file}",
@@ -308,6 +334,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--precision", default=None, choices=PRECISIONS, help="rollout precision (vllm: fp32, bf16)")
     parser.add_argument("--no-sync", action="store_true", help="skip weight sync to the hf rollout (drift check)")
     parser.add_argument(
+        "--attention",
+        default="sdpa",
+        choices=sorted(ATTENTIONS),
+        help="actor attention: sdpa (padded) or varlen (packed, pure-torch; allows Ulysses sp > 1)",
+    )
+    parser.add_argument(
         "--poll-interval", type=positive_seconds, default=0.1, help="replay-buffer poll seconds (verl: 2.0)"
     )
     parser.add_argument("--print-overrides", action="store_true", help="print the overrides and exit")
@@ -320,7 +352,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     assets = asset_paths(workdir / "assets")  # where they will be; nothing is built before the checks pass
     try:
         ov = cpu_overrides(
-            assets, steps=args.steps, precision=args.precision, sync_weights=not args.no_sync, engine=args.engine
+            assets,
+            steps=args.steps,
+            precision=args.precision,
+            sync_weights=not args.no_sync,
+            engine=args.engine,
+            attention=args.attention,
         )
     except ValueError as exc:
         parser.error(str(exc))

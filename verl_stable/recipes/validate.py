@@ -174,8 +174,17 @@ ULYSSES_KEYS = (
     "actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size",
 )
 """Where verl reads the Ulysses degree. verl's Ulysses attention wraps flash-attention's varlen entry, which does not
-run on CPU; under ``sdpa`` verl does not refuse sp > 1, and each rank would attend only within its own slice of the
-sequence: wrong log-probs, no error. So the CPU runtime refuses sp > 1 before a run starts."""
+run on CPU; under ``sdpa`` (or ``eager``) verl does not refuse sp > 1, and each rank would attend only within its own
+slice of the sequence: wrong log-probs, no error. So the CPU runtime refuses sp > 1 before a run starts unless the run
+trains packed with verl-stable's pure-torch varlen kernel (:data:`ULYSSES_CPU_ATTENTION`), which runs under verl's
+all-to-all."""
+
+ULYSSES_CPU_ATTENTION = {
+    "actor_rollout_ref.model.use_remove_padding": True,
+    "actor_rollout_ref.model.override_config.attn_implementation": "verl_stable_varlen",
+}
+"""What a CPU run with Ulysses sp > 1 must set: ``verl_stable.cpu.attention.OVERRIDES`` (checked equal in the tests;
+not imported here, so that composing a config does not import the CPU runtime)."""
 
 
 def option_problems(cfg: Any) -> list[str]:
@@ -184,8 +193,8 @@ def option_problems(cfg: Any) -> list[str]:
     ``verl_stable.routing`` is read by the rollout-routing manager and ``rollout.engine_kwargs.hf`` by the ``hf``
     backend (when ``rollout.name`` is ``hf``), both long after the run has started; the trust region
     ``actor.clip_ratio_low/high`` by verl-stable's losses and staleness monitor at the first update; Ulysses sequence
-    parallelism on the CPU runtime (``trainer.device=cpu``), which would be silently wrong there (see
-    :data:`ULYSSES_KEYS`).
+    parallelism on the CPU runtime (``trainer.device=cpu``) without the varlen kernel, which would be silently wrong
+    there (see :data:`ULYSSES_KEYS`).
     """
     from omegaconf import OmegaConf
 
@@ -199,11 +208,14 @@ def option_problems(cfg: Any) -> list[str]:
     if str(config_value(cfg, "trainer.device") or "").lower() == "cpu":
         ulysses = {k: config_value(cfg, k) for k in ULYSSES_KEYS}
         bad = {k: v for k, v in ulysses.items() if isinstance(v, int) and not isinstance(v, bool) and v > 1}
-        if bad:
+        attention = {k: config_value(cfg, k) for k in ULYSSES_CPU_ATTENTION}
+        if bad and attention != ULYSSES_CPU_ATTENTION:
+            fix = " ".join(f"{'+' if 'override_config' in k else ''}{k}={v}" for k, v in ULYSSES_CPU_ATTENTION.items())
             problems.append(
-                f"Ulysses sequence parallelism {bad} on the CPU runtime: verl's Ulysses attention needs "
-                "flash-attention's varlen kernel, which does not run on CPU, and with sdpa each rank would attend only "
-                "within its own slice of the sequence (wrong log-probs, no error); use sequence parallel size 1 on CPU"
+                f"Ulysses sequence parallelism {bad} on the CPU runtime with {attention}: verl's Ulysses attention "
+                "needs flash-attention's varlen kernel, which does not run on CPU, and with sdpa or eager each rank "
+                "would attend only within its own slice of the sequence (wrong log-probs, no error); use verl-stable's "
+                f"varlen kernel ({fix}; `verl-stable run --attention varlen`) or sequence parallel size 1 on CPU"
             )
     if config_value(cfg, "actor_rollout_ref.actor.policy_loss.loss_mode") in ("minirl", "vespo"):
         from verl_stable.monitor.staleness import check_trust_region
