@@ -19,12 +19,13 @@ import transfer_queue as tq
 from omegaconf import OmegaConf
 from verl.experimental.agent_loop import agent_loop as verl_agent_loop
 from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
-from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
+from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
 
 from verl_stable.integration import rollout
-from verl_stable.integration.rollout.agent_loop import OCCURRENCE_FIELD
+from verl_stable.integration.rollout.agent_loop import OCCURRENCE_FIELD, ORDERED_PUT_MODES
 from verl_stable.integration.rollout.seeding import (
     MAX_SEED,
+    DispatchLedger,
     PromptOccurrences,
     PutOrder,
     RolloutSeeding,
@@ -156,7 +157,7 @@ class _Puts:
         self.samples.extend(keys)
 
 
-def _worker(n: int, run_seed: int, trainer_mode: str = "stable_sync"):
+def _worker(n: int, run_seed: int, trainer_mode: str = "sync"):
     """Our worker subclass without Ray: the state ``__init__`` sets, by hand."""
     worker_cls = rollout.CompactRoutingAgentLoopWorkerTQ
     worker = worker_cls.__new__(worker_cls)
@@ -170,7 +171,7 @@ def _worker(n: int, run_seed: int, trainer_mode: str = "stable_sync"):
     worker.stable_routing_enabled = False
     worker.stable_routing_options = rollout.RolloutRoutingOptions()
     worker.stable_prompt_sharing, worker.stable_prompt_puts = rollout.PromptRowSharing(), {}
-    worker.stable_seeding = RolloutSeeding(run_seed, ordered_puts=trainer_mode in ("sync", "stable_sync"))
+    worker.stable_seeding = RolloutSeeding(run_seed, ordered_puts=trainer_mode in ORDERED_PUT_MODES)
     return worker
 
 
@@ -246,6 +247,44 @@ def test_worker_seeds_each_sample_by_identity_and_puts_in_dispatch_order(monkeyp
     assert not {p["seed"] for p in seen4.values()} & set(seeds.values())
 
 
+def test_stable_sync_puts_as_samples_finish_and_its_ledger_restores_dispatch_order(monkeypatch):
+    """Under ``stable_sync`` nothing waits to be put; sorting the batch by the manager's ledger gives exactly the
+    order verl's ``sync`` trainer gets from ordered puts."""
+    n, late = 3, {(0, 0): 0.03, (0, 2): 0.02, (1, 1): 0.01}
+    assert ORDERED_PUT_MODES == ("sync",)
+    ordered, _ = _dispatch(_worker(n, run_seed=5, trainer_mode="sync"), _prompts(["a", "b", "c"]), monkeypatch, late)
+    worker = _worker(n, run_seed=5, trainer_mode="stable_sync")
+    unordered, _ = _dispatch(worker, _prompts(["a", "b", "c"]), monkeypatch, late)
+    assert worker.stable_seeding.put_order is None
+    assert unordered.samples != ordered.samples and sorted(unordered.samples) == sorted(ordered.samples)
+    assert unordered.samples[-1] == "a_0_0"  # the slowest sample was put last
+    ledger = DispatchLedger()
+    ledger.record(["a", "b", "c"])
+    positions = ledger.order(unordered.samples)
+    assert (
+        [unordered.samples[i] for i in positions] == ordered.samples == [f"{u}_{i}_0" for u in "abc" for i in range(n)]
+    )
+    assert len(ledger) == 0  # ordering a batch forgets its groups
+
+
+def test_dispatch_ledger_orders_by_group_then_session_then_index_and_leaves_strangers_last():
+    ledger = DispatchLedger()
+    ledger.record(["u-2", "u-1"])
+    ledger.record(["u-3", "u-1"])  # a uid recorded again keeps its first place
+    keys = ["u-1_10_0", "x_0_0", "u-3_0_1", "u-1_2_0", "u-2_0_0", "u-3_0_0", "odd-key", "u-1_2_1"]
+    assert [keys[i] for i in ledger.order(keys)] == [
+        "u-2_0_0",
+        "u-1_2_0",
+        "u-1_2_1",
+        "u-1_10_0",  # numerically, not as text
+        "u-3_0_0",
+        "u-3_0_1",
+        "x_0_0",  # never dispatched through this manager: after the rest, in the order sampled
+        "odd-key",
+    ]
+    assert len(ledger) == 0 and ledger.order([]) == []
+
+
 def test_async_trainers_keep_completion_order_and_a_failed_sample_blocks_nothing(monkeypatch):
     worker = _worker(2, run_seed=0, trainer_mode="stable_colocate_async")
     puts, seen = _dispatch(worker, _prompts(["a", "b", "c"])[:2], monkeypatch, {(0, 0): 0.03})
@@ -312,6 +351,21 @@ def test_manager_numbers_repeated_prompts_over_the_whole_batch_for_its_workers()
     assert manager.stable_number_occurrences(_verl_batch(["max 3 8 1"], 2))[OCCURRENCE_FIELD].tolist() == [0]
     val = manager.stable_number_occurrences(_verl_batch(["max 3 8 1"], 1, validate=True))
     assert val[OCCURRENCE_FIELD].tolist() == [0]
+
+
+def test_manager_records_the_order_it_dispatches_prompts_in(monkeypatch):
+    manager_cls = rollout.CompactRoutingAgentLoopManagerTQ
+    manager = manager_cls.__new__(manager_cls)
+    manager_cls.__init__(
+        manager, config=OmegaConf.create({"actor_rollout_ref": {"rollout": {}, "model": {}}}), llm_client=None
+    )
+    sent = []
+    monkeypatch.setattr(AgentLoopManagerTQ, "generate_sequences", lambda self, prompts: sent.append(prompts))
+    batch = _verl_batch(["max 3 8 1", "max 2 2 9", "max 3 8 1"], step=1)
+    manager.generate_sequences(batch)
+    assert len(sent) == 1 and OCCURRENCE_FIELD in sent[0].keys()
+    keys = ["u2_0_0", "u0_1_0", "u1_0_0", "u0_0_0"]  # as they finished
+    assert [keys[i] for i in manager.stable_dispatch.order(keys)] == ["u0_0_0", "u0_1_0", "u1_0_0", "u2_0_0"]
 
 
 def test_worker_seeds_with_the_managers_numbering(monkeypatch):

@@ -370,3 +370,29 @@ def test_every_registered_trainer_has_the_hooks_over_verls_trainer_of_its_mode(r
         assert getattr(cls, hook) is getattr(T.StabilityMonitorMixin, hook), hook
         assert hasattr(base, hook), f"verl's {class_name} has no {hook}: the hook would never run"
     assert cls._stable_base_mode == base_mode
+
+
+def test_stable_sync_hands_the_trainer_each_sampled_batch_in_dispatch_order(registered, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from transfer_queue import KVBatchMeta
+
+    from verl_stable.integration.rollout.seeding import DispatchLedger
+
+    def as_finished(self, global_steps, partition_id, batch_size):  # verl's order: as the samples were put
+        keys = ["b_0_0", "a_1_0", "c_0_0", "a_0_0"]
+        return KVBatchMeta(keys=keys, tags=[{"k": k} for k in keys], partition_id=partition_id), {"gen": 1.0}
+
+    monkeypatch.setattr(ReplayBuffer, "sample", as_finished)
+    cfg = _config("trainer.v1.trainer_mode=stable_sync", f"trainer.default_local_dir={tmp_path}")
+    trainer = get_trainer_cls("stable_sync")(cfg)
+    ledger = DispatchLedger()
+    ledger.record(["a", "b"])  # "c" came from elsewhere (e.g. restored): after the dispatched ones
+    trainer.agent_loop_manager = SimpleNamespace(stable_dispatch=ledger)
+    batch, metrics = trainer.replay_buffer.sample(global_steps=1, partition_id="train", batch_size=3)
+    assert batch.keys == ["a_0_0", "a_1_0", "b_0_0", "c_0_0"] and metrics == {"gen": 1.0}
+    assert [t["k"] for t in batch.tags] == batch.keys  # tags travel with their keys
+    # verl's own agent-loop manager records nothing: the batch stays as verl sampled it
+    trainer.agent_loop_manager = SimpleNamespace()
+    batch, _ = trainer.replay_buffer.sample(global_steps=1, partition_id="train", batch_size=3)
+    assert batch.keys == ["b_0_0", "a_1_0", "c_0_0", "a_0_0"]

@@ -275,6 +275,32 @@ class StabilityMonitorMixin:
         path = None if good is None else os.path.join(root, f"global_step_{good}")
         return Verdict(verdict.rule, verdict.action, verdict.step, verdict.values, verdict.message, path)
 
+    def _build_replay_buffer(self):
+        """verl's replay buffer; under ``stable_sync`` its batches come in dispatch order (:meth:`_stable_in_order`)."""
+        buffer = super()._build_replay_buffer()
+        if getattr(self, "_stable_base_mode", None) == "sync":
+            sample = buffer.sample
+
+            def sample_in_dispatch_order(*args: Any, **kwargs: Any) -> Any:
+                batch, metrics = sample(*args, **kwargs)
+                return self._stable_in_order(batch), metrics
+
+            buffer.sample = sample_in_dispatch_order
+        return buffer
+
+    def _stable_in_order(self, batch):
+        """The sampled ``batch`` sorted into the order its prompts were dispatched in (in place).
+
+        verl's replay buffer lists samples in put order, i.e. as they finished; the order decides the mini-batches and
+        every summation order, so runs would differ. The compact-routing manager records the dispatch order
+        (:class:`~verl_stable.integration.rollout.seeding.DispatchLedger`), so its workers put samples as they finish
+        and the order is restored here. With another manager the batch stays as verl sampled it.
+        """
+        ledger = getattr(getattr(self, "agent_loop_manager", None), "stable_dispatch", None)
+        if ledger is not None and len(batch):
+            batch.reorder(ledger.order(list(batch.keys)))
+        return batch
+
     def fit(self, agent_loop_manager):
         """verl's ``fit``; raises :class:`GuardTripped` after the loop when a stopping rule fired."""
         result = super().fit(agent_loop_manager)

@@ -6,8 +6,9 @@ Select the manager by its dotted path,
 is stored validate and compact its routing (:mod:`.boundary`), share its group's prompt rows (:mod:`.sharing`) and
 put the compact fields instead of verl's int16 ``routed_experts`` (:class:`CompactRoutingAgentLoopOutput`). The
 workers also make rollouts reproducible (:mod:`.seeding`): every sample is sent with a sampling seed derived from its
-identity and verl's ``actor_rollout_ref.rollout.seed``, and with a sync trainer the samples enter TransferQueue in
-dispatch order.
+identity and verl's ``actor_rollout_ref.rollout.seed``, and with a sync trainer the trainer gets the samples in
+dispatch order (``stable_sync`` sorts them by the manager's :class:`~.seeding.DispatchLedger`; under verl's ``sync``
+the workers put them in that order).
 
 This module imports verl's agent loop, TransferQueue's client and Ray at import time (close to a second on top of
 ``import verl``), so the package imports it only when one of its names is first used; the plugin's import of
@@ -36,6 +37,7 @@ from verl_stable.integration.rollout.boundary import (
 from verl_stable.integration.rollout.config import DEFAULT_OPTIONS, RolloutRoutingOptions
 from verl_stable.integration.rollout.seeding import (
     PROMPT_IDENTITY_FIELDS,
+    DispatchLedger,
     PromptOccurrences,
     RolloutSeeding,
     prompt_content_key,
@@ -64,8 +66,9 @@ __all__ = [
 logger = logging.getLogger("verl_stable.routing")
 
 TRAINER_MODE_KEY = "trainer.v1.trainer_mode"
-# trainers that wait for a whole step's samples: putting them in dispatch order costs them nothing
-ORDERED_PUT_MODES = ("sync", "stable_sync")
+# verl's own sync trainer takes a step's samples in put order and cannot be told another: put them in dispatch order
+# (one after another). stable_sync sorts the sampled batch by the manager's DispatchLedger instead, so puts never wait.
+ORDERED_PUT_MODES = ("sync",)
 OCCURRENCE_FIELD = "__verl_stable_occurrence__"
 """Batch column the manager adds for its workers (popped before verl sees the prompt, so never stored)."""
 
@@ -151,8 +154,9 @@ class CompactRoutingAgentLoopWorkerTQ(AgentLoopWorkerTQ.__ray_actor_class__):
     Reproducibility (:mod:`.seeding`): each sample's sampling params carry ``seed`` = :func:`~.seeding.sample_seed`
     of (``rollout.seed``, global step, train/val, the prompt's content, its occurrence in the step, the sample's index
     in its group); the ``hf`` server and vLLM draw the sample from a generator of that seed. With a sync trainer
-    (``trainer.v1.trainer_mode`` ``sync`` / ``stable_sync``) the samples are put into TransferQueue in dispatch order
-    (:class:`~.seeding.PutOrder`), which is the order verl's replay buffer hands them to the trainer.
+    verl's ``sync`` trainer (``trainer.v1.trainer_mode=sync``) the samples are put into TransferQueue in dispatch order
+    (:class:`~.seeding.PutOrder`), which is the order verl's replay buffer hands them to the trainer; ``stable_sync``
+    sorts each sampled batch into dispatch order itself (:class:`~.seeding.DispatchLedger`), so puts do not wait.
     """
 
     stable_seeding: RolloutSeeding | None = None
@@ -292,15 +296,19 @@ class CompactRoutingAgentLoopManagerTQ(AgentLoopManagerTQ):
 
     It also numbers repeated prompts for the workers' sampling seeds (:data:`OCCURRENCE_FIELD`): verl splits a batch
     over several workers, and a prompt drawn twice in one step must get two groups of samples even when its two
-    copies land on different workers.
+    copies land on different workers. And it records the order it dispatched prompts in (:attr:`stable_dispatch`),
+    by which the ``stable_sync`` trainer sorts each batch it samples.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.agent_loop_workers_class = _REMOTE_WORKER
         self.stable_occurrences = PromptOccurrences()
+        self.stable_dispatch = DispatchLedger()
 
     def generate_sequences(self, prompts: Any) -> None:
+        if "uid" in prompts.keys():
+            self.stable_dispatch.record(prompts["uid"])
         return super().generate_sequences(self.stable_number_occurrences(prompts))
 
     def stable_number_occurrences(self, prompts: Any) -> Any:
