@@ -9,13 +9,15 @@ they sample):
   verl's ``sync`` trainer (no monitor, no guard).
 * ``r3``: what ``recipes/fsdp/minirl_n4_r3.yaml`` adds around the loss: the rollout exports its routed experts, the
   plugin's agent-loop manager validates and compacts them (uint8, ragged, prompt rows once per group; per-sample
-  seeds, puts in dispatch order), R3 replays them in the old-log-prob pass and in the update, and ``stable_sync``
-  runs the monitor and the guard (the recipe's ``routing_interval``, default 10: routing metrics fetched every 10th
-  step). The loss stays verl's GRPO, so only the routing machinery differs.
+  seeds; the trainer sorts each batch into dispatch order), R3 replays them in the old-log-prob pass and in the
+  update, and ``stable_sync`` runs the monitor and the guard (the recipe's ``routing_interval``, default 10: routing
+  metrics fetched every 10th step). The loss stays verl's GRPO, so only the routing machinery differs.
 
-``--ladder`` adds the steps in between, each one feature more than the last: ``export`` (the rollout's routing
-through the plugin's agent-loop manager; with ``router_replay.mode`` disabled the engine only observes it: records
-the routing it used and logs the disagreement) and ``replay`` (+ R3, still verl's ``sync`` trainer).
+``--ladder`` adds the steps in between, each one feature more than the last, all on ``stable_sync`` with its monitor
+and guard switched off (verl's own ``sync`` trainer would make the plugin's workers put samples one after another,
+see ``integration/rollout/seeding.py``): ``export`` (the rollout's routing through the plugin's agent-loop manager;
+with ``router_replay.mode`` disabled the engine only observes it: records the routing it used and logs the
+disagreement) and ``replay`` (+ R3).
 
 The runs alternate in ABBA order (plain, r3, r3, plain, plain, r3, ...) so that a change in the host's load hits every
 variant alike and a steady drift cancels; the figure is verl's own ``timing_s/step`` of every step after the first (the first
@@ -30,7 +32,10 @@ the shared prompt rows (``stable/routing/transport/side_*``, counted by each ran
 reads in all and per rank, entries fetched and entries served from what a rank already held, bytes fetched.
 
     python benchmarks/bench_dp_overhead.py [--runs 2] [--steps 4] [--ladder] [--routing-interval 10] [--skip-dp1]
-        [--workdir /tmp/bench_dp] [--report-only]
+        [--response-length 4] [--hidden-size 64] [--workdir /tmp/bench_dp] [--report-only]
+
+``--response-length`` / ``--hidden-size`` scale the per-token work (generation steps, sequence length) and the
+model: a cost per call or per step stays the same while the step grows, a cost per token grows with it.
 """
 
 from __future__ import annotations
@@ -43,11 +48,17 @@ from pathlib import Path
 VARIANTS = ("plain", "export", "replay", "r3")  # each adds one feature to the one before
 PHASES = ("gen", "old_log_prob", "update_actor", "update_weights")
 TRANSPORT = ("bytes", "verl_bytes", "bytes_ratio", "samples", "prompt_groups_shared", "shared_prompt_rows")
+POLL_S = 0.02
+"""verl's trainer waits for the rollout by polling TransferQueue (``VERL_STABLE_POLL_INTERVAL_S``; the CPU runs' default
+0.1 s): ``gen`` is rounded up to the next poll, so at 0.1 s a few milliseconds more rollout work could show up as a
+0.1 s step. 20 ms keeps that rounding well below the differences measured."""
 SIDE_READS = ("side_reads", "side_reads_per_rank", "side_read_entries", "side_read_reused", "side_read_bytes")
 COVERAGE = ("response_rows", "response_replayed_rows", "prompt_rows", "prompt_replayed_rows")
 
 
-def overrides(variant: str, assets, workdir: Path, *, steps: int, dp: int, routing_interval: int) -> list[str]:
+def overrides(
+    variant: str, assets, workdir: Path, *, steps: int, dp: int, routing_interval: int, response_length: int = 4
+) -> list[str]:
     """The hydra overrides of one run of ``variant`` at ``dp`` actor ranks (and as many rollout replicas)."""
     from verl_stable.cpu import launch
     from verl_stable.integration import rollout
@@ -55,7 +66,13 @@ def overrides(variant: str, assets, workdir: Path, *, steps: int, dp: int, routi
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     level = VARIANTS.index(variant)
-    ov = launch.cpu_overrides(assets, steps=steps, routing_capture=level >= 1, metrics_logger=("file",))
+    ov = launch.cpu_overrides(
+        assets,
+        steps=steps,
+        max_response_length=response_length,
+        routing_capture=level >= 1,
+        metrics_logger=("file",),
+    )
     ov += [
         f"trainer.default_local_dir={workdir / 'ckpt'}",
         f"trainer.n_gpus_per_node={dp}",
@@ -66,20 +83,35 @@ def overrides(variant: str, assets, workdir: Path, *, steps: int, dp: int, routi
         "actor_rollout_ref.rollout.ignore_eos=True",  # the same number of tokens in both variants
     ]
     if level >= 1:
-        ov.append(f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={rollout.MANAGER_FQN}")
+        ov += [f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={rollout.MANAGER_FQN}"]
+        ov += ["trainer.v1.trainer_mode=stable_sync"]
     if level >= 2:
         ov.append("+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3")
     if level >= 3:
-        ov += ["trainer.v1.trainer_mode=stable_sync", f"+stable.monitor.routing_interval={routing_interval}"]
+        ov.append(f"+stable.monitor.routing_interval={routing_interval}")
+    elif level >= 1:
+        ov += ["+stable.monitor.enable=false", "+stable.guard.enable=false"]
     return ov
 
 
-def run(variant: str, assets, workdir: Path, *, steps: int, dp: int, routing_interval: int) -> list[dict]:
+def run(
+    variant: str,
+    assets,
+    workdir: Path,
+    *,
+    steps: int,
+    dp: int,
+    routing_interval: int,
+    response_length: int = 4,
+    poll_s: float = POLL_S,
+) -> list[dict]:
     from verl_stable.cpu import launch
 
-    ov = overrides(variant, assets, workdir, steps=steps, dp=dp, routing_interval=routing_interval)
+    ov = overrides(
+        variant, assets, workdir, steps=steps, dp=dp, routing_interval=routing_interval, response_length=response_length
+    )
     t0 = time.perf_counter()
-    proc = launch.run_main_ppo(ov, workdir, timeout_s=3600)
+    proc = launch.run_main_ppo(ov, workdir, timeout_s=3600, poll_interval_s=poll_s)
     if proc.returncode != 0:
         raise SystemExit(f"main_ppo ({variant}, dp={dp}) failed, see {workdir / 'main_ppo.log'}")
     rows = launch.read_metrics(workdir / "metrics.jsonl")
@@ -148,6 +180,8 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=2, help="actor ranks of the timed runs")
     parser.add_argument("--routing-interval", type=int, default=10, help="stable.monitor.routing_interval (recipe: 10)")
     parser.add_argument("--skip-dp1", action="store_true", help="no dp=1 run for the routing bytes")
+    parser.add_argument("--response-length", type=int, default=4, help="tokens per response (ignore_eos)")
+    parser.add_argument("--hidden-size", type=int, default=64, help="the tiny Qwen3-MoE's hidden size")
     parser.add_argument("--report-only", action="store_true", help="print the figures of the runs in --workdir")
     parser.add_argument("--workdir", default="/tmp/bench_dp")
     args = parser.parse_args()
@@ -158,7 +192,12 @@ def main() -> None:
     from verl_stable.lab.assets import AssetSpec, ensure_assets
 
     workdir = Path(args.workdir)
-    kw = {"steps": args.steps, "dp": args.dp, "routing_interval": args.routing_interval}
+    kw = {
+        "steps": args.steps,
+        "dp": args.dp,
+        "routing_interval": args.routing_interval,
+        "response_length": args.response_length,
+    }
     names = VARIANTS if args.ladder else ("plain", "r3")
     runs: dict[str, list[list[dict]]] = {v: [] for v in names}
     if args.report_only:
@@ -166,7 +205,7 @@ def main() -> None:
             for i in range(args.runs):
                 runs[v].append(launch.read_metrics(workdir / f"{v}_{i}" / "metrics.jsonl"))
     else:
-        assets = ensure_assets(workdir / "assets", AssetSpec(task="copy"))
+        assets = ensure_assets(workdir / "assets", AssetSpec(task="copy", hidden_size=args.hidden_size))
         print(f"{args.runs} rounds of {names} in ABBA order at dp={args.dp}, {args.steps} steps each")
         for i in range(args.runs):
             for variant in names if i % 2 == 0 else names[::-1]:
