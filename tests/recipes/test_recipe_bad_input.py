@@ -83,6 +83,13 @@ def test_check_accepts_keys_verl_or_verl_stable_define():
             ["actor_rollout_ref.rollout.name=hf", "+actor_rollout_ref.rollout.engine_kwargs.hf.precision=fp9"],
             "hf rollout backend: unknown rollout precision 'fp9'; expected one of",
         ),
+        (
+            [
+                "actor_rollout_ref.rollout.name=vllm",
+                "+actor_rollout_ref.rollout.engine_kwargs.vllm.corrupt_routing_every=-2",
+            ],
+            "vllm rollout: rollout.engine_kwargs.vllm.corrupt_routing_every (fault injection) must be an int >= 0",
+        ),
     ],
 )
 def test_check_reports_bad_values_of_verl_stable_options(overrides, expected):

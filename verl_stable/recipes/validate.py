@@ -190,8 +190,9 @@ not imported here, so that composing a config does not import the CPU runtime)."
 def option_problems(cfg: Any) -> list[str]:
     """What verl-stable's own option sections of a composed config would reject at run time (empty when fine).
 
-    ``verl_stable.routing`` is read by the rollout-routing manager and ``rollout.engine_kwargs.hf`` by the ``hf``
-    backend (when ``rollout.name`` is ``hf``), both long after the run has started; the trust region
+    ``verl_stable.routing`` is read by the rollout-routing manager, ``rollout.engine_kwargs.hf`` by the ``hf``
+    backend (when ``rollout.name`` is ``hf``) and the fault-injection period ``rollout.engine_kwargs.vllm
+    .corrupt_routing_every`` by the vLLM servers (when it is ``vllm``), all long after the run has started; the trust region
     ``actor.clip_ratio_low/high`` by verl-stable's losses and staleness monitor at the first update; Ulysses sequence
     parallelism on the CPU runtime (``trainer.device=cpu``) without the varlen kernel, which would be silently wrong
     there (see :data:`ULYSSES_KEYS`).
@@ -237,6 +238,13 @@ def option_problems(cfg: Any) -> list[str]:
             resolve_options(rollout)
         except (ValueError, TypeError) as exc:
             problems.append(f"hf rollout backend: {exc}")
+    if config_value(cfg, "actor_rollout_ref.rollout.name") == "vllm":
+        from verl_stable.cpu.vllm_rollout import VllmCpuError, routing_fault_every
+
+        try:
+            routing_fault_every(OmegaConf.to_container(cfg.actor_rollout_ref.rollout, resolve=True))
+        except VllmCpuError as exc:
+            problems.append(f"vllm rollout: {exc}")
     return problems
 
 
