@@ -45,7 +45,8 @@ to ``stable/routing/...`` and add one value per update mini-step):
 * ``stable/routing/transport/<count>`` for :data:`~verl_stable.integration.rollout.SIDE_READ_COUNTS` (batches
   carrying the rollout's compact routing): the rank's TransferQueue reads of shared prompt rows since its last
   update mini-step (so including its ``compute_log_prob``), on the first micro-batch of each update mini-step;
-  ``stable/routing/transport/side_reads_per_rank`` the same read count averaged over ranks.
+  ``stable/routing/transport/side_reads_per_rank`` the same read count averaged over ranks. verl reduces metrics over
+  data-parallel ranks: the Ulysses peers of a rank, which read the same entries, are not counted again.
 
 Aggregation. ``forward_step`` hands every ``stable/...`` metric (ours and the staleness metrics of the
 ``minirl`` / ``vespo`` losses) to verl as a :class:`verl.utils.metric.Metric` (see
