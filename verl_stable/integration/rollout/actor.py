@@ -9,7 +9,8 @@ What the agent-loop workers stored per sample (:data:`~verl_stable.routing.trans
   verl's layout (the FSDP engine, verl's Megatron/VeOmni replay). The expansion lives only on the actor,
   transiently; transport stays compact.
 
-Both re-attach the shared prompt rows first (one TransferQueue read per batch) and give verl's synthetic padding
+Both re-attach the shared prompt rows first (one TransferQueue read of the entries not already held by the rank's
+:class:`~.sharing.SharedRowReader`, or one per batch without one) and give verl's synthetic padding
 samples no routing. No verl import.
 """
 
