@@ -239,6 +239,13 @@ def test_a_ranks_reader_reads_once_per_step_and_serves_the_update_mini_batches_f
             tu.index_select_tensor_dict(batch, [6]), LAYOUT, reader=rollout.SharedRowReader(store.kv_batch_get)
         )
 
+    # TransferQueue leaves a missing key out of its answer when others are found: never pair rows with wrong keys
+    def drops_missing(keys, partition_id, select_fields=None):
+        return store.kv_batch_get([k for k in keys if k != gone], partition_id, select_fields)
+
+    with pytest.raises(rollout.SharedPromptRowsError, match=r"1 of 3 shared prompt-row entries are not in"):
+        rollout.expand_compact_routing(batch.clone(), LAYOUT, reader=rollout.SharedRowReader(drops_missing))
+
 
 def test_bytes_count_the_shared_rows_once():
     rng = np.random.default_rng(1)

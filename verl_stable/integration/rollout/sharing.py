@@ -346,7 +346,14 @@ class SharedRowReader:
                 f"{PROMPT_PARTITION!r}: they were cleared before the actor read the batch, or never put ({exc})"
             ) from exc
         found = got[IDS_FIELD]
-        return dict(zip(keys, list(found.unbind()) if found.is_nested else list(found.unbind(0)), strict=True))
+        rows = list(found.unbind()) if found.is_nested else list(found.unbind(0))
+        if len(rows) != len(keys):  # TransferQueue leaves out missing keys unless all are missing
+            raise SharedPromptRowsError(
+                f"{len(keys) - len(rows)} of {len(keys)} shared prompt-row entries are not in TransferQueue partition "
+                f"{PROMPT_PARTITION!r} (asked for {keys}): they were cleared before the actor read the batch, or "
+                "never put"
+            )
+        return dict(zip(keys, rows, strict=True))
 
 
 def attach_shared_prompt_rows(
