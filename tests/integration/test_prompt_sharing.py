@@ -362,6 +362,27 @@ def test_side_entries_are_cleared_with_their_group_and_do_not_accumulate():
     assert rollout.clear_stale_prompt_rows(KVStore().kv_list, KVStore().kv_clear) == 0  # nothing ever shared
 
 
+def test_a_sweep_clears_an_entry_only_when_two_consecutive_passes_found_it_stale():
+    rng = np.random.default_rng(9)
+    store = KVStore()
+    for uid in ("a", "b"):
+        _verl_keys(store, "train", uid, 2, "finished")
+        sharing = rollout.PromptRowSharing()
+        for o in group_outputs(rng, 3, [2, 2]):
+            put_side(store, rollout.compact_agent_loop_output(o, LAYOUT, sharing=sharing, uid=uid))
+    sweep = rollout.StaleSweep()
+    store.kv_clear(["a", "a_0_0", "a_1_0", "b", "b_0_0", "b_1_0"], "train")  # both groups look keyless ...
+    assert rollout.clear_stale_prompt_rows(store.kv_list, store.kv_clear, sweep) == 0  # ... first pass: kept
+    assert len(store.side_entries()) == 2
+    _verl_keys(store, "train", "b", 1, "finished")  # b was keyless only for a moment (its keys are back)
+    assert rollout.clear_stale_prompt_rows(store.kv_list, store.kv_clear, sweep) == 1  # a: stale twice, cleared
+    assert [t["uid"] for t in store.side_entries().values()] == ["b"]
+    store.kv_clear(["b", "b_0_0"], "train")
+    assert rollout.clear_stale_prompt_rows(store.kv_list, store.kv_clear, sweep) == 0  # b's first stale pass
+    assert asyncio.run(rollout.async_clear_stale_prompt_rows(store.async_kv_list, store.async_kv_clear, sweep)) == 1
+    assert store.side_entries() == {}
+
+
 def test_agent_loop_workers_clear_with_the_async_api_too():
     """What each worker runs when verl dispatches new prompts (any trainer class)."""
     rng = np.random.default_rng(8)

@@ -194,13 +194,16 @@ class StabilityMonitorMixin:
         super().on_step_begin()
         self._stable_clear_prompt_rows()
 
-    def _stable_clear_prompt_rows(self) -> None:
+    def _stable_clear_prompt_rows(self, final: bool = False) -> None:
+        """Clear the side entries found stale at this and the previous step start (all stale ones when ``final``)."""
         if self._stable_compact_layout() is None:
             return
-        from verl_stable.integration.rollout import RolloutRoutingOptions, clear_stale_prompt_rows
+        from verl_stable.integration.rollout import RolloutRoutingOptions, StaleSweep, clear_stale_prompt_rows
 
         if RolloutRoutingOptions.from_config(self.config).share_prompt_rows:
-            clear_stale_prompt_rows()
+            if not hasattr(self, "_stable_sweep"):
+                self._stable_sweep = StaleSweep()
+            clear_stale_prompt_rows(sweep=None if final else self._stable_sweep)
 
     def step(self, metrics, timing_raw):
         """verl's step; numbers the update mini-steps of this logged step from 0 and restarts the coverage sums."""
@@ -304,7 +307,7 @@ class StabilityMonitorMixin:
     def fit(self, agent_loop_manager):
         """verl's ``fit``; raises :class:`GuardTripped` after the loop when a stopping rule fired."""
         result = super().fit(agent_loop_manager)
-        self._stable_clear_prompt_rows()  # verl's last step returns without another on_step_begin
+        self._stable_clear_prompt_rows(final=True)  # verl's last step returns without another on_step_begin
         trip = getattr(self, "_stable_trip", None)
         if trip:
             raise GuardTripped(trip)

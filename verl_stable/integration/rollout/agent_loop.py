@@ -47,6 +47,7 @@ from verl_stable.integration.rollout.sharing import (
     PROMPT_REF_FIELD,
     PromptRowSharing,
     SharedPromptRowsError,
+    StaleSweep,
     async_clear_stale_prompt_rows,
     key_of_ref,
     shared_sample_fields,
@@ -171,6 +172,7 @@ class CompactRoutingAgentLoopWorkerTQ(AgentLoopWorkerTQ.__ray_actor_class__):
             layout_from_config(self.model_config.hf_config) if self.stable_routing_enabled else None
         )
         self.stable_prompt_sharing = PromptRowSharing()
+        self.stable_stale_sweep = StaleSweep()
         # uid -> side-entry key -> its put; in-flight groups of more than one sample only
         self.stable_prompt_puts: dict[str, dict[str, asyncio.Future]] = {}
         mode = OmegaConf.select(self.config, TRAINER_MODE_KEY, default="sync")
@@ -218,7 +220,7 @@ class CompactRoutingAgentLoopWorkerTQ(AgentLoopWorkerTQ.__ray_actor_class__):
             # a new dispatch follows verl's clearing of finished groups: drop their shared prompt rows (any
             # trainer class; the stable_* trainers also do it at each step start)
             try:
-                await async_clear_stale_prompt_rows()
+                await async_clear_stale_prompt_rows(sweep=self.stable_stale_sweep)
             except Exception as exc:  # housekeeping must not fail a rollout; the next dispatch retries
                 logger.warning("verl-stable: clearing shared prompt rows failed: %s", exc)
         return await super().generate_sequences(batch)

@@ -24,7 +24,10 @@ not a sample. This module owns every step of its life (``+verl_stable.routing.sh
 3. lifetime (:func:`clear_stale_prompt_rows`, :func:`async_clear_stale_prompt_rows`): entries whose group has no key
    left in ``train`` / ``val`` are cleared by every worker when verl dispatches new prompts (any trainer class) and
    by the stable trainers (``trainer.v1.trainer_mode=stable_*``) at every step start and after the last step, so
-   they follow verl's own ``kv_clear`` (after the step, on DAPO/failure eviction, after validation) within a step.
+   they follow verl's own ``kv_clear`` (after the step, on DAPO/failure eviction, after validation) within a step or
+   two. A worker or trainer clears an entry only when two of its consecutive passes found it stale
+   (:class:`StaleSweep`; the pass after the last step clears at once): in an async run with partial rollouts an
+   actor once missed an entry that the step-start pass had just cleared, so a group can look keyless for a moment.
 
 Correctness rests on two facts: the key covers the rows' content, so a reference can only resolve to bytes equal to
 the sample's own prompt rows; and a side entry is put before any sample that refers to it, while its group's prompt
@@ -69,6 +72,7 @@ __all__ = [
     "SIDE_READ_COUNTS",
     "SharedPromptRowsError",
     "SharedRowReader",
+    "StaleSweep",
     "async_clear_stale_prompt_rows",
     "attach_shared_prompt_rows",
     "clear_stale_prompt_rows",
@@ -421,13 +425,28 @@ def stale_prompt_entries(side: Mapping[str, Any], sources: Mapping[str, Any]) ->
     return [key for key, tag in side.items() if ((tag or {}).get("partition"), (tag or {}).get("uid")) not in live]
 
 
-def clear_stale_prompt_rows(kv_list: Any = None, kv_clear: Any = None) -> int:
+class StaleSweep:
+    """One process's memory between clearing passes: an entry is due once two consecutive passes found it stale."""
+
+    def __init__(self) -> None:
+        self._stale_before: set[str] = set()
+
+    def due(self, stale: Sequence[str]) -> list[str]:
+        """The entries of ``stale`` that the previous pass found stale too; remembers the rest for the next pass."""
+        due = [key for key in stale if key in self._stale_before]
+        self._stale_before = set(stale) - set(due)
+        return due
+
+
+def clear_stale_prompt_rows(kv_list: Any = None, kv_clear: Any = None, sweep: StaleSweep | None = None) -> int:
     """Clear the side entries whose group has no key left in verl's sample partitions (TransferQueue's sync API).
 
     verl clears a group's keys itself (after the step, on eviction, after validation); this follows it. The side
     partition is listed *before* the sample partitions: an entry is put only while its group's prompt key exists, so
     an entry seen first and then without any key of its group belongs to a group verl has finished with, also while
     async rollouts keep putting. Any number of processes may run it at once.
+
+    With ``sweep``, only the entries its previous pass found stale too are cleared (:class:`StaleSweep`).
 
     Returns:
         The number of entries cleared.
@@ -441,12 +460,16 @@ def clear_stale_prompt_rows(kv_list: Any = None, kv_clear: Any = None) -> int:
         return 0
     sources = {p: (kv_list(p) or {}).get(p, {}) for p in SOURCE_PARTITIONS}
     stale = stale_prompt_entries(side, sources)
+    if sweep is not None:
+        stale = sweep.due(stale)
     if stale:
         kv_clear(keys=stale, partition_id=PROMPT_PARTITION)
     return len(stale)
 
 
-async def async_clear_stale_prompt_rows(kv_list: Any = None, kv_clear: Any = None) -> int:
+async def async_clear_stale_prompt_rows(
+    kv_list: Any = None, kv_clear: Any = None, sweep: StaleSweep | None = None
+) -> int:
     """:func:`clear_stale_prompt_rows` with TransferQueue's async API (inside an agent-loop worker's event loop)."""
     if kv_list is None or kv_clear is None:
         import transfer_queue as tq
@@ -457,6 +480,8 @@ async def async_clear_stale_prompt_rows(kv_list: Any = None, kv_clear: Any = Non
         return 0
     sources = {p: ((await kv_list(p)) or {}).get(p, {}) for p in SOURCE_PARTITIONS}
     stale = stale_prompt_entries(side, sources)
+    if sweep is not None:
+        stale = sweep.due(stale)
     if stale:
         await kv_clear(keys=stale, partition_id=PROMPT_PARTITION)
     return len(stale)
