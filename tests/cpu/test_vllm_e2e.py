@@ -3,10 +3,10 @@ the compact transport, the monitor's metrics, a bad routing payload handled as c
 seed sampling the same tokens.
 
 One verl run (~90 s on 2 idle cores) is shared by the weight-sync, R3 and fault assertions. Its server runs the
-test-only fault injection ``engine_kwargs.vllm.corrupt_routing_every=3``: every 3rd request's routed experts leave the
-server malformed (expert ids out of range), and with ``on_invalid=skip_sample`` those samples train on the actor's own
-routing. The rest of vLLM's payloads must all pass the boundary and be replayed, so the R3 assertions hold on them
-(11 of 16 samples per step) and the exact sync still holds (fp32 on both sides: the actor's own router routes as vLLM
+test-only fault injection ``engine_kwargs.vllm.corrupt_routing_every=3``: the routed experts of the requests whose
+sampling seed is a multiple of 3 (about one in 3, the same samples in every run) leave the server malformed (expert ids
+out of range), and with ``on_invalid=skip_sample`` those samples train on the actor's own routing. The rest of vLLM's
+payloads must all pass the boundary and be replayed, so the R3 assertions hold on them and the exact sync still holds (fp32 on both sides: the actor's own router routes as vLLM
 does before the step's update). Every response is ``max_response_length`` tokens long (``ignore_eos``), so the
 expected replay coverage is exactly the share of samples whose routing arrived. The rerun test adds one more identical
 run (see its docstring). Partial rollouts with vLLM: ``test_vllm_partial_rollouts.py`` (its own file, so that a second
@@ -26,8 +26,6 @@ FP32_TRAINING = (
 )
 CORRUPT_EVERY = 3
 SAMPLES_PER_STEP = 16  # 4 prompts x rollout.n = 4
-# the server counts requests over the run: 3, 6, ..., 15 in step 1 and 18, ..., 30 in step 2
-CORRUPTED_PER_STEP = 5
 RESPONSE_LEN = 4  # cpu_overrides' max_response_length
 
 
@@ -119,8 +117,9 @@ def test_r3_replays_vllms_routed_experts_through_the_compact_transport(vllm_run)
         assert row[f"{fe.METRIC_PREFIX}update_0/router_disagreement"] == 0.0
         assert row[f"{fe.METRIC_PREFIX}update_1/router_disagreement"] > 0.0
         transport = {k.removeprefix(rollout.TRANSPORT_METRIC_PREFIX): v for k, v in row.items() if "transport/" in k}
-        # every payload vLLM returned passed the boundary; only the injected faults were skipped
-        assert transport["samples"] == SAMPLES_PER_STEP and transport["skipped_samples"] == CORRUPTED_PER_STEP
+        # every payload vLLM returned passed the boundary; only the injected faults (out-of-range ids) were skipped
+        assert transport["samples"] == SAMPLES_PER_STEP
+        assert 0 < transport["skipped_samples"] == transport["error/ExpertIdRangeError"] < SAMPLES_PER_STEP
         assert 0 < transport["bytes"] < transport["verl_bytes"]
         assert transport["prompt_groups_shared"] == 4.0  # every group kept at least two routed samples
 
@@ -134,11 +133,13 @@ def test_a_bad_routing_payload_from_vllm_is_skipped_counted_and_warned_about(vll
 
     rows, log, _ = vllm_run
     assert [r["step"] for r in rows] == [1, 2]
-    replayed = SAMPLES_PER_STEP - CORRUPTED_PER_STEP
     for row in rows:
-        assert row[f"{rollout.TRANSPORT_METRIC_PREFIX}error/ExpertIdRangeError"] == CORRUPTED_PER_STEP
-        assert row[f"{COVERAGE}/response_replayed"] == pytest.approx(replayed / SAMPLES_PER_STEP, abs=1e-9)  # 11/16
-        assert row[f"{COVERAGE}/response_fallback"] == pytest.approx(CORRUPTED_PER_STEP / SAMPLES_PER_STEP, abs=1e-9)
+        # the seeds (hashes of the samples' identities) decide which samples are corrupted: about one in 3
+        corrupted = row[f"{rollout.TRANSPORT_METRIC_PREFIX}error/ExpertIdRangeError"]
+        assert corrupted == int(corrupted) and 1 <= corrupted <= SAMPLES_PER_STEP - 1
+        replayed = SAMPLES_PER_STEP - corrupted
+        assert row[f"{COVERAGE}/response_replayed"] == pytest.approx(replayed / SAMPLES_PER_STEP, abs=1e-9)
+        assert row[f"{COVERAGE}/response_fallback"] == pytest.approx(corrupted / SAMPLES_PER_STEP, abs=1e-9)
         # summed over micro-batches and mini-steps: each sample trained once per step, RESPONSE_LEN - 1 needed rows
         assert row[f"{COVERAGE}/response_rows"] == SAMPLES_PER_STEP * (RESPONSE_LEN - 1) * moe_layers
         assert row[f"{COVERAGE}/response_replayed_rows"] == replayed * (RESPONSE_LEN - 1) * moe_layers
@@ -187,8 +188,11 @@ def vllm_rerun(vllm_assets, tmp_path_factory):
     return _run_r3_with_faults(vllm_assets, tmp_path_factory.mktemp("vllm_rerun"))
 
 
-# values that follow from the sampled tokens alone
-EXACT_PREFIXES = ("critic/score/", "critic/rewards/", "critic/advantages/", "response_length/")
+# values that follow from the sampled tokens alone, and from which samples the fault injection chose (by their seeds)
+EXACT_PREFIXES = (
+    "critic/score/", "critic/rewards/", "critic/advantages/", "response_length/", "stable/routing/transport/error/",
+    "stable/routing/transport/skipped_samples", "stable/routing/coverage/response_",
+)  # fmt: skip
 
 
 @pytest.mark.e2e
@@ -196,7 +200,8 @@ def test_a_rerun_with_the_same_seed_samples_the_same_tokens(vllm_run, vllm_rerun
     """Reproducibility with vLLM: verl-stable's agent loop gives every sample a seed of its own
     (``SamplingParams.seed``, derived from the sample's identity), so a second run of the same command samples the
     same responses, whatever vLLM batched together and in whatever order requests finished; rewards and advantages
-    follow."""
+    follow. The fault injection picks samples by their seeds, so both runs skip the routing of the same samples and
+    train alike (it once counted answers, and a rerun then sampled different tokens at step 2)."""
     rows, _, samples = vllm_run
     rows_again, _, samples_again = vllm_rerun
     assert sorted(samples) == [1, 2] and all(len(s) == SAMPLES_PER_STEP for s in samples.values())
@@ -204,5 +209,5 @@ def test_a_rerun_with_the_same_seed_samples_the_same_tokens(vllm_run, vllm_rerun
     assert samples_again == samples
     for row, again in zip(rows, rows_again, strict=True):
         exact = {k: v for k, v in row.items() if k.startswith(EXACT_PREFIXES)}
-        assert {"critic/score/mean", "critic/advantages/max"} <= exact.keys()
+        assert {"critic/score/mean", "critic/advantages/max", "stable/routing/transport/skipped_samples"} <= exact.keys()
         assert {k: again[k] for k in exact} == exact

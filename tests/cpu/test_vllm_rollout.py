@@ -147,7 +147,15 @@ def test_the_vllm_server_corrupts_every_kth_payload_and_keeps_the_option_from_vl
             with pytest.raises(ExpertIdRangeError):
                 compact_token_routing(out, **kwargs)
     off = vllm_rollout.RoutingFaults(0, config)
-    assert all(off(payload) is payload for _ in range(4)) and off.requests == 0
+    assert all(off(payload) is payload for _ in range(4)) and off.requests == 0 and off(payload, seed=3) is payload
+
+    # a seeded request is chosen by its seed, not by when it was answered: any answer order corrupts the same seeds
+    seeds = [9, 10, 2**62 + 2, 0, 4, 7, 12, 2**63 - 2]  # multiples of 3: 9, 2**62 + 2, 0, 12, 2**63 - 2
+    chosen = {seed for seed in seeds if seed % 3 == 0}
+    for order in (seeds, seeds[::-1], seeds[3:] + seeds[:3]):
+        seeded = vllm_rollout.RoutingFaults(3, config)
+        corrupted = {seed for seed in order if seeded(payload, seed=seed) is not payload}
+        assert corrupted == chosen and seeded.corrupted == 5 and seeded.requests == len(seeds)
 
     with vllm_rollout.vllm_distribution_alias():
         server_class = vllm_rollout._server_class()

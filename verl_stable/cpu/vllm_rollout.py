@@ -20,8 +20,8 @@ between that code path and the CPU build of vLLM; this module owns all three, an
 The probe facts behind this (versions, head size, environment variables) are in ``docs/cpu-runtime.md``.
 
 Fault injection, for tests only: ``actor_rollout_ref.rollout.engine_kwargs.vllm.corrupt_routing_every`` (default 0,
-off; :func:`routing_fault_every`) makes the server replace the routed experts of every k-th request it answers with
-a malformed payload (every MoE-layer id out of range, :func:`verl_stable.cpu.hf_routing.corrupt_routing_payload`, as
+off; :func:`routing_fault_every`) makes the server replace the routed experts of one request in k with a malformed
+payload -- those whose sampling seed is a multiple of k, so a rerun corrupts the same samples (:class:`RoutingFaults`) (every MoE-layer id out of range, :func:`verl_stable.cpu.hf_routing.corrupt_routing_payload`, as
 the ``hf`` backend's option of the same name does), after vLLM returned them and before they leave the server. The
 rollout boundary then refuses the sample, or skips its routing under ``+verl_stable.routing.on_invalid=skip_sample``.
 The server takes the key out of the engine arguments before vLLM sees them (vLLM would refuse it).
@@ -207,7 +207,12 @@ def routing_fault_every(rollout: Any) -> int:
 
 
 class RoutingFaults:
-    """FAULT INJECTION (tests): counts the requests whose routed experts a server returns and corrupts every k-th.
+    """FAULT INJECTION (tests): corrupts the routed experts of one request in k, chosen by what the request *is*.
+
+    A request with a sampling seed (verl-stable's agent loop gives every sample one, derived from its identity) is
+    corrupted iff its seed is a multiple of k: a rerun of the same command corrupts the same samples, whatever order
+    vLLM answered them in (counting answers made reruns train on different routing, and sample different tokens from
+    step 2 on). A request without a seed is corrupted iff it is a k-th answer of this server (answer order).
 
     Args:
         every: k (0: off, payloads pass unchanged).
@@ -224,12 +229,13 @@ class RoutingFaults:
 
             self._layout = layout_from_config(hf_config)
 
-    def __call__(self, routed_experts: Any) -> Any:
-        """``routed_experts`` of the next request, malformed when its number is a multiple of k."""
+    def __call__(self, routed_experts: Any, seed: int | None = None) -> Any:
+        """``routed_experts`` of the next request (sampling ``seed``, if it has one), malformed when it is chosen."""
         if not self.every or routed_experts is None:
             return routed_experts
         self.requests += 1
-        if self.requests % self.every:
+        chosen = seed % self.every == 0 if seed is not None else self.requests % self.every == 0
+        if not chosen:
             return routed_experts
         from verl_stable.cpu.hf_routing import corrupt_routing_payload
 
@@ -263,9 +269,10 @@ def _server_class() -> type:
         async def generate(
             self, prompt_ids: Any, sampling_params: dict[str, Any], request_id: str, **kwargs: Any
         ) -> Any:
+            seed = (sampling_params or {}).get("seed")  # read first: verl's generate pops keys off the dict
             output = await super().generate(prompt_ids, sampling_params, request_id, **kwargs)
             if self._routing_faults.every and output.routed_experts is not None:
-                output.routed_experts = self._routing_faults(output.routed_experts)
+                output.routed_experts = self._routing_faults(output.routed_experts, None if seed is None else int(seed))
             return output
 
     CpuVllmHttpServer.__module__ = __name__
