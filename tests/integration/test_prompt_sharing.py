@@ -523,3 +523,54 @@ def test_real_worker_shares_nothing_for_a_group_of_one():
     assert not batch[rollout.PROMPT_REF_FIELD].values().any()  # the field is there (one schema per partition), zero
     assert rollout.expand_compact_routing(batch, LAYOUT, kv_batch_get=None)  # no read needed
     assert torch.equal(batch["routed_experts"][0], worker.reference[0])
+
+
+def test_real_worker_sweeps_stale_entries_alongside_the_rollout_not_before_it(monkeypatch, caplog):
+    """A dispatch starts its rollout at once; the stale-entry sweep runs next to it, one at a time, and its failure
+    is a warning, not a failed rollout."""
+    from verl_stable.integration.rollout import agent_loop
+
+    worker, _ = _worker(n=2)
+    verls_worker = type(worker).__mro__[1]  # verl's AgentLoopWorkerTQ, as the worker's class resolved it
+    worker.stable_stale_sweep, worker.stable_clearing = rollout.StaleSweep(), None
+    events: list[str] = []
+    release = asyncio.Event()
+
+    async def slow_sweep(sweep=None):
+        events.append("sweep started")
+        await release.wait()
+        events.append("sweep done")
+        if len([e for e in events if e == "sweep started"]) > 1:
+            raise RuntimeError("store unreachable")
+        return 0
+
+    async def rollout_of(self, batch):
+        events.append(f"rollout {batch}")
+
+    monkeypatch.setattr(agent_loop, "async_clear_stale_prompt_rows", slow_sweep)
+    assert verls_worker.__name__ == "AgentLoopWorkerTQ"
+    monkeypatch.setattr(verls_worker, "generate_sequences", rollout_of)
+
+    async def dispatches():
+        await worker.generate_sequences("b1")
+        await worker.generate_sequences("b2")  # the first sweep still runs: no second one
+        release.set()
+        await worker.stable_clearing
+        release.clear()
+        await worker.generate_sequences("b3")
+        await asyncio.sleep(0)
+        release.set()
+        await worker.stable_clearing  # fails inside: logged
+
+    with caplog.at_level("WARNING", logger="verl_stable"):
+        asyncio.run(dispatches())
+    assert events == [
+        "rollout b1",
+        "rollout b2",
+        "sweep started",
+        "sweep done",
+        "rollout b3",
+        "sweep started",
+        "sweep done",
+    ]  # the rollouts do not wait for the sweep, and b2 started none while b1's was pending
+    assert "clearing shared prompt rows failed: store unreachable" in caplog.text

@@ -90,6 +90,14 @@ def test_compact_fields_match_verls_own_int16_layout():
     ours = sum(t.numel() * t.element_size() for t in batch[IDS_FIELD].unbind())
     verls = sum(d["routed_experts"].numel() * 2 for d in verl_dicts)
     assert ours * 10 / 3 < verls  # uint8 over 3 of 5 layers vs int16 over 5, on recorded rows only
+    # what the engine hands verl's micro-batch split: the expanded field without the consumed compact ones
+    engine_batch = rollout.without_compact_fields(batch)
+    compact_fields = {IDS_FIELD, SPAN_FIELD, rollout.BOUNDARY_FIELD}  # no prompt refs: nothing shared here
+    assert compact_fields <= set(rollout.COMPACT_FIELDS) and compact_fields <= set(batch.keys())  # the caller's keeps
+    assert not set(rollout.COMPACT_FIELDS) & set(engine_batch.keys())
+    assert set(engine_batch.keys()) == set(batch.keys()) - set(rollout.COMPACT_FIELDS)
+    assert engine_batch["routed_experts"] is batch["routed_experts"] and engine_batch["input_ids"] is batch["input_ids"]
+    assert rollout.without_compact_fields(engine_batch) is engine_batch
 
 
 def test_boundary_errors_and_configured_fallback():

@@ -93,7 +93,12 @@ from verl_stable.integration.replay_pass import (
     routed_rows,
     token_roles,
 )
-from verl_stable.integration.rollout import TRANSPORT_METRIC_PREFIX, SharedRowReader, expand_compact_routing
+from verl_stable.integration.rollout import (
+    TRANSPORT_METRIC_PREFIX,
+    SharedRowReader,
+    expand_compact_routing,
+    without_compact_fields,
+)
 from verl_stable.monitor.routing_metrics import COVERAGE
 from verl_stable.routing import alignment
 from verl_stable.routing.disagreement import expert_sets_differ
@@ -195,6 +200,7 @@ class RouterReplayMixin:
             expand_compact_routing(data, self._model_routing.layout, reader=self._prompt_rows)
             if not forward_only:  # reported with the mini-step's first micro-batch (forward_step)
                 self._side_read_counts = self._prompt_rows.take_counts()
+            data = without_compact_fields(data)  # consumed: verl's micro-batch split need not index them
         action = self._action_for(data, forward_only)
         if action is ReplayAction.NONE:
             return super().forward_backward_batch(data, loss_function, forward_only=forward_only)

@@ -166,10 +166,21 @@ class StabilityMonitorMixin:
             self._stable_layout = layout
         return self._stable_layout
 
-    def _stable_fetch(self, batch, step: int, monitor: StepMonitor) -> MonitorBatch | None:
+    def _stable_fetch(self, batch, step: int, monitor: StepMonitor) -> tuple[MonitorBatch, dict[str, float]]:
+        """The step's monitor inputs and, with the compact transport, its transport metrics: one TransferQueue read.
+
+        The per-sample boundary counters (:data:`~verl_stable.integration.rollout.BOUNDARY_FIELD`) come with the
+        token fields; a batch without them (routing export off) is read again without, and has no transport metrics.
+        """
         import transfer_queue as tq
 
-        from verl_stable.integration.rollout import PROMPT_REF_FIELD, RolloutRoutingOptions, expand_compact_routing
+        from verl_stable.integration.rollout import (
+            BOUNDARY_FIELD,
+            PROMPT_REF_FIELD,
+            RolloutRoutingOptions,
+            expand_compact_routing,
+            transport_metrics,
+        )
         from verl_stable.routing.transport import IDS_FIELD, SPAN_FIELD
 
         select = list(TOKEN_FIELDS)
@@ -183,11 +194,22 @@ class StabilityMonitorMixin:
                 select.append(PROMPT_REF_FIELD)  # expand_compact_routing re-attaches the group's prompt rows
             if train_field:
                 select.append(train_field)
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=select)
+        counters = self._stable_compact_layout() is not None
+        try:
+            data = tq.kv_batch_get(
+                keys=batch.keys, partition_id=batch.partition_id, select_fields=select + [BOUNDARY_FIELD] * counters
+            )
+        except ValueError as exc:  # TransferQueue refuses a field no sample has (routing export off)
+            if not counters or BOUNDARY_FIELD not in str(exc):
+                raise
+            counters = False
+            data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=select)
         if layout is not None:
             expand_compact_routing(data, layout)
         keep = np.array([not tag.get("is_padding", False) for tag in batch.tags], dtype=bool)
-        return MonitorBatch.from_tensordict(data, keep if keep.any() else None, train_field)
+        keep = keep if keep.any() else None
+        transport = transport_metrics(data[BOUNDARY_FIELD], keep) if counters else {}
+        return MonitorBatch.from_tensordict(data, keep, train_field), transport
 
     def on_step_begin(self):
         """verl's hook, after the previous step's ``kv_clear``: clear the shared prompt rows of finished groups."""
@@ -248,11 +270,10 @@ class StabilityMonitorMixin:
     def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
         super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)
         monitor = self._stable_state()
-        fetched = self._stable_fetch(batch, global_steps, monitor) if monitor.config.monitor.enable else None
-        if monitor.config.monitor.enable and self._stable_compact_layout() is not None:
-            from verl_stable.integration.rollout import fetch_transport_metrics
-
-            metrics.update(fetch_transport_metrics(batch))
+        fetched = None
+        if monitor.config.monitor.enable:
+            fetched, transport = self._stable_fetch(batch, global_steps, monitor)
+            metrics.update(transport)
         verdicts = monitor.step(global_steps, fetched, metrics, coverage=getattr(self, "_stable_coverage", None))
         self._stable_coverage = {}
         self._stable_handle(verdicts, global_steps)

@@ -29,7 +29,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from verl_stable.integration.rollout.actor import expand_compact_routing, routing_trace_from_batch
+from verl_stable.integration.rollout.actor import (
+    COMPACT_FIELDS,
+    expand_compact_routing,
+    routing_trace_from_batch,
+    without_compact_fields,
+)
 from verl_stable.integration.rollout.boundary import (
     BOUNDARY_COLUMNS,
     BOUNDARY_ERRORS,
@@ -73,6 +78,7 @@ __all__ = [  # noqa: F822 - the names of _LAZY are resolved by the module __geta
     "BOUNDARY_COLUMNS",
     "BOUNDARY_ERRORS",
     "BOUNDARY_FIELD",
+    "COMPACT_FIELDS",
     "MANAGER_CONFIG_KEY",
     "MANAGER_FQN",
     "PROMPT_PARTITION",
@@ -109,6 +115,7 @@ __all__ = [  # noqa: F822 - the names of _LAZY are resolved by the module __geta
     "stale_prompt_entries",
     "transport_metrics",
     "uses_compact_routing",
+    "without_compact_fields",
 ]
 
 _LAZY = {

@@ -20,12 +20,16 @@ from typing import Any
 
 import numpy as np
 
-from verl_stable.integration.rollout.sharing import SharedRowReader, attach_shared_prompt_rows
+from verl_stable.integration.rollout.boundary import BOUNDARY_FIELD
+from verl_stable.integration.rollout.sharing import PROMPT_REF_FIELD, SharedRowReader, attach_shared_prompt_rows
 from verl_stable.routing.codecs import RoutedRows, RowCountError, encode_verl_batch, rows_to_trace
 from verl_stable.routing.trace import RoutingLayout, RoutingTrace
 from verl_stable.routing.transport import IDS_FIELD, SPAN_FIELD, rows_from_fields
 
-__all__ = ["expand_compact_routing", "routing_trace_from_batch"]
+__all__ = ["COMPACT_FIELDS", "expand_compact_routing", "routing_trace_from_batch", "without_compact_fields"]
+
+COMPACT_FIELDS = (IDS_FIELD, SPAN_FIELD, PROMPT_REF_FIELD, BOUNDARY_FIELD)
+"""The per-sample fields of the compact transport, in the order the agent-loop workers emit them."""
 
 
 def _sequence_lengths(data: Any) -> list[int]:
@@ -100,3 +104,14 @@ def expand_compact_routing(
     rows = [r if r is not None else _no_rows(layout) for r in _batch_rows(data, lengths)]
     data["routed_experts"] = encode_verl_batch(rows, layout, lengths, nested=True).to(input_ids.device)
     return True
+
+
+def without_compact_fields(data: Any) -> Any:
+    """``data`` without :data:`COMPACT_FIELDS` (a shallow copy; ``data`` itself is left as it is), or ``data``.
+
+    Once :func:`expand_compact_routing` has added ``routed_experts``, the engine needs none of them; verl's
+    micro-batch split indexes every field of a batch, and a jagged field costs a few milliseconds per split on the CPU
+    runtime (``benchmarks/bench_dp_overhead.py``), so they are left out before it.
+    """
+    present = [name for name in COMPACT_FIELDS if name in data.keys()]
+    return data.exclude(*present) if present else data

@@ -173,6 +173,7 @@ class CompactRoutingAgentLoopWorkerTQ(AgentLoopWorkerTQ.__ray_actor_class__):
         )
         self.stable_prompt_sharing = PromptRowSharing()
         self.stable_stale_sweep = StaleSweep()
+        self.stable_clearing: asyncio.Future | None = None  # the sweep of the last dispatch, while it runs
         # uid -> side-entry key -> its put; in-flight groups of more than one sample only
         self.stable_prompt_puts: dict[str, dict[str, asyncio.Future]] = {}
         mode = OmegaConf.select(self.config, TRAINER_MODE_KEY, default="sync")
@@ -218,12 +219,17 @@ class CompactRoutingAgentLoopWorkerTQ(AgentLoopWorkerTQ.__ray_actor_class__):
     async def generate_sequences(self, batch: Any) -> None:
         if self.stable_routing_enabled and self.stable_routing_options.share_prompt_rows:
             # a new dispatch follows verl's clearing of finished groups: drop their shared prompt rows (any
-            # trainer class; the stable_* trainers also do it at each step start)
-            try:
-                await async_clear_stale_prompt_rows(sweep=self.stable_stale_sweep)
-            except Exception as exc:  # housekeeping must not fail a rollout; the next dispatch retries
-                logger.warning("verl-stable: clearing shared prompt rows failed: %s", exc)
+            # trainer class; the stable_* trainers also do it at each step start). Alongside the rollout, not
+            # before it: nothing of this dispatch waits for housekeeping (one sweep at a time).
+            if self.stable_clearing is None or self.stable_clearing.done():
+                self.stable_clearing = asyncio.ensure_future(self._stable_clear_stale())
         return await super().generate_sequences(batch)
+
+    async def _stable_clear_stale(self) -> None:
+        try:
+            await async_clear_stale_prompt_rows(sweep=self.stable_stale_sweep)
+        except Exception as exc:  # housekeeping must not fail a rollout; the next dispatch retries
+            logger.warning("verl-stable: clearing shared prompt rows failed: %s", exc)
 
     async def _agent_loop_postprocess(self, output: Any, validate: bool, **kwargs: Any) -> Any:
         if self.stable_routing_enabled:

@@ -15,8 +15,9 @@ verl 0.9.1 path (V1 trainer, the default): the server returns ``TokenOutput.rout
 2. the sample's boundary counters (:data:`BOUNDARY_FIELD`, :func:`boundary_counters`: tokens, validated rows,
    refusal and its class, bytes moved and what verl would have moved). verl's V1 trainer logs nothing from the agent
    loop (the manager's ``generate_sequences`` returns ``None`` and the per-sample ``metrics`` field is never read),
-   so the trainer reads the counters back with :func:`fetch_transport_metrics` (one 48-byte field per sample) and
-   logs them as ``stable/routing/transport/*`` (:func:`transport_metrics`).
+   so the trainer reads the counters back (one 48-byte field per sample; the ``stable_*`` trainers in the same
+   TransferQueue read as the monitor's token fields, :func:`fetch_transport_metrics` on its own) and logs them as
+   ``stable/routing/transport/*`` (:func:`transport_metrics`).
 
 The SGLang reader of verl 0.9.1 is broken: with ``skip_tokenizer_init=True`` (verl's default) it calls
 ``.numpy()`` on the base64 string in ``meta_info["routed_experts"]``; otherwise it decodes with SGLang's helper as

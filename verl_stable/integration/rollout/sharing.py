@@ -22,7 +22,8 @@ not a sample. This module owns every step of its life (``+verl_stable.routing.sh
    the entries of its last read: verl hands a rank the same samples for ``compute_log_prob`` and every update
    mini-step of a step, so a rank reads once per step (counted: :data:`SIDE_READ_COUNTS`);
 3. lifetime (:func:`clear_stale_prompt_rows`, :func:`async_clear_stale_prompt_rows`): entries whose group has no key
-   left in ``train`` / ``val`` are cleared by every worker when verl dispatches new prompts (any trainer class) and
+   left in ``train`` / ``val`` are cleared by every worker when verl dispatches new prompts (any trainer class;
+   alongside that dispatch's rollout, which does not wait for it) and
    by the stable trainers (``trainer.v1.trainer_mode=stable_*``) at every step start and after the last step, so
    they follow verl's own ``kv_clear`` (after the step, on DAPO/failure eviction, after validation) within a step or
    two. A worker or trainer clears an entry only when two of its consecutive passes found it stale
