@@ -3,9 +3,9 @@
 # Test files run on VERL_STABLE_TEST_WORKERS pytest-xdist workers (default: 2 on a host with >= 2 cores, else 1);
 # `--dist loadfile` keeps a file on one worker, so a module's shared verl run starts once. Most of the suite's time is
 # the end-to-end runs of verl (and of vLLM's CPU build), which are CPU-bound: on a 2-core host two workers gain little
-# (1163 tests: 25m12s with two on an otherwise idle 2-core host, 27m14s with the install), on more cores they
-# overlap. Extra
-# arguments go to pytest (`-n 0`: one process).
+# (1164 tests: 34m14s with two on an otherwise idle but slow 2-core host, 37m50s with the install; the day before,
+# 1163 tests took 25m12s on the same host), on more cores they overlap. Extra arguments go to pytest (`-n 0`: one
+# process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
