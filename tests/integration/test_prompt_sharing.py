@@ -324,6 +324,15 @@ def _verl_keys(store: KVStore, partition: str, uid: str, n: int, status: str) ->
     store.kv_batch_put([f"{uid}_{i}_0" for i in range(n)], partition, tags=[{"status": "success"}] * n)
 
 
+def _shared_groups(store: KVStore, rng, uids: tuple[str, ...]) -> None:
+    """Two-sample groups ``uids`` as verl and the workers leave them: finished prompt keys, sample keys, side entries."""
+    for uid in uids:
+        _verl_keys(store, "train", uid, 2, "finished")
+        sharing = rollout.PromptRowSharing()
+        for o in group_outputs(rng, 3, [2, 2]):
+            put_side(store, rollout.compact_agent_loop_output(o, LAYOUT, sharing=sharing, uid=uid))
+
+
 def test_side_entries_are_cleared_with_their_group_and_do_not_accumulate():
     rng = np.random.default_rng(4)
     store = KVStore()
@@ -365,11 +374,7 @@ def test_side_entries_are_cleared_with_their_group_and_do_not_accumulate():
 def test_a_sweep_clears_an_entry_only_when_two_consecutive_passes_found_it_stale():
     rng = np.random.default_rng(9)
     store = KVStore()
-    for uid in ("a", "b"):
-        _verl_keys(store, "train", uid, 2, "finished")
-        sharing = rollout.PromptRowSharing()
-        for o in group_outputs(rng, 3, [2, 2]):
-            put_side(store, rollout.compact_agent_loop_output(o, LAYOUT, sharing=sharing, uid=uid))
+    _shared_groups(store, rng, ("a", "b"))
     sweep = rollout.StaleSweep()
     store.kv_clear(["a", "a_0_0", "a_1_0", "b", "b_0_0", "b_1_0"], "train")  # both groups look keyless ...
     assert rollout.clear_stale_prompt_rows(store.kv_list, store.kv_clear, sweep) == 0  # ... first pass: kept
@@ -387,11 +392,7 @@ def test_agent_loop_workers_clear_with_the_async_api_too():
     """What each worker runs when verl dispatches new prompts (any trainer class)."""
     rng = np.random.default_rng(8)
     store = KVStore()
-    for uid in ("a", "b"):
-        _verl_keys(store, "train", uid, 2, "finished")
-        sharing = rollout.PromptRowSharing()
-        for o in group_outputs(rng, 3, [2, 2]):
-            put_side(store, rollout.compact_agent_loop_output(o, LAYOUT, sharing=sharing, uid=uid))
+    _shared_groups(store, rng, ("a", "b"))
     store.kv_clear(["a", "a_0_0", "a_1_0"], "train")
     assert asyncio.run(rollout.async_clear_stale_prompt_rows(store.async_kv_list, store.async_kv_clear)) == 1
     assert [t["uid"] for t in store.side_entries().values()] == ["b"]
@@ -574,3 +575,44 @@ def test_real_worker_sweeps_stale_entries_alongside_the_rollout_not_before_it(mo
         "sweep done",
     ]  # the rollouts do not wait for the sweep, and b2 started none while b1's was pending
     assert "clearing shared prompt rows failed: store unreachable" in caplog.text
+
+
+def test_stable_trainers_leave_the_sweep_to_the_workers_and_clear_what_is_left_after_training(tmp_path, monkeypatch):
+    """No TransferQueue traffic at a step start (the workers sweep at each dispatch, off the step's critical path);
+    after ``fit`` one pass clears every stale entry at once, a live group's entry stays."""
+    import verl
+    from hydra import compose, initialize_config_dir
+    from verl.trainer.ppo.v1 import get_trainer_cls
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    from verl_stable.integration import trainer as T
+
+    T.register()
+    with initialize_config_dir(config_dir=f"{verl.__path__[0]}/trainer/config", version_base=None):
+        cfg = compose(
+            config_name="ppo_trainer",
+            overrides=[
+                "trainer.v1.trainer_mode=stable_sync",
+                f"trainer.default_local_dir={tmp_path}",
+                f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={rollout.MANAGER_FQN}",
+            ],
+        )
+    trainer = get_trainer_cls("stable_sync")(cfg)
+    trainer._stable_layout = LAYOUT  # what _stable_compact_layout reads from the model's config
+    rng = np.random.default_rng(10)
+    store = KVStore()
+    _shared_groups(store, rng, ("done", "live"))
+    store.kv_clear(["done", "done_0_0", "done_1_0"], "train")
+    calls = []
+
+    def kv_list(partition_id=None):
+        calls.append(partition_id)
+        return store.kv_list(partition_id)
+
+    monkeypatch.setattr(tq, "kv_list", kv_list)
+    monkeypatch.setattr(tq, "kv_clear", store.kv_clear)
+    monkeypatch.setattr(PPOTrainerSync, "fit", lambda self, manager: "verl's result")
+    trainer.on_step_begin()
+    assert calls == [] and len(store.side_entries()) == 2
+    assert trainer.fit(None) == "verl's result"
+    assert calls and [t["uid"] for t in store.side_entries().values()] == ["live"]  # one pass, no second needed

@@ -211,21 +211,19 @@ class StabilityMonitorMixin:
         transport = transport_metrics(data[BOUNDARY_FIELD], keep) if counters else {}
         return MonitorBatch.from_tensordict(data, keep, train_field), transport
 
-    def on_step_begin(self):
-        """verl's hook, after the previous step's ``kv_clear``: clear the shared prompt rows of finished groups."""
-        super().on_step_begin()
-        self._stable_clear_prompt_rows()
+    def _stable_clear_prompt_rows(self) -> None:
+        """Clear every stale side entry (the shared prompt rows of groups verl has finished with) after training.
 
-    def _stable_clear_prompt_rows(self, final: bool = False) -> None:
-        """Clear the side entries found stale at this and the previous step start (all stale ones when ``final``)."""
+        While training, the agent-loop workers that put side entries sweep them at each dispatch, alongside the
+        rollout (:class:`~verl_stable.integration.rollout.CompactRoutingAgentLoopWorkerTQ`); a sweep here at each
+        step start, on the step's critical path, would repeat theirs. verl's last step has no dispatch after it.
+        """
         if self._stable_compact_layout() is None:
             return
-        from verl_stable.integration.rollout import RolloutRoutingOptions, StaleSweep, clear_stale_prompt_rows
+        from verl_stable.integration.rollout import RolloutRoutingOptions, clear_stale_prompt_rows
 
         if RolloutRoutingOptions.from_config(self.config).share_prompt_rows:
-            if not hasattr(self, "_stable_sweep"):
-                self._stable_sweep = StaleSweep()
-            clear_stale_prompt_rows(sweep=None if final else self._stable_sweep)
+            clear_stale_prompt_rows()
 
     def step(self, metrics, timing_raw):
         """verl's step; numbers the update mini-steps of this logged step from 0 and restarts the coverage sums."""
@@ -328,7 +326,7 @@ class StabilityMonitorMixin:
     def fit(self, agent_loop_manager):
         """verl's ``fit``; raises :class:`GuardTripped` after the loop when a stopping rule fired."""
         result = super().fit(agent_loop_manager)
-        self._stable_clear_prompt_rows(final=True)  # verl's last step returns without another on_step_begin
+        self._stable_clear_prompt_rows()
         trip = getattr(self, "_stable_trip", None)
         if trip:
             raise GuardTripped(trip)

@@ -219,7 +219,7 @@ class CompactRoutingAgentLoopWorkerTQ(AgentLoopWorkerTQ.__ray_actor_class__):
     async def generate_sequences(self, batch: Any) -> None:
         if self.stable_routing_enabled and self.stable_routing_options.share_prompt_rows:
             # a new dispatch follows verl's clearing of finished groups: drop their shared prompt rows (any
-            # trainer class; the stable_* trainers also do it at each step start). Alongside the rollout, not
+            # trainer class; the stable_* trainers sweep once more after training). Alongside the rollout, not
             # before it: nothing of this dispatch waits for housekeeping (one sweep at a time).
             if self.stable_clearing is None or self.stable_clearing.done():
                 self.stable_clearing = asyncio.ensure_future(self._stable_clear_stale())

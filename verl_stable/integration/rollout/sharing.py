@@ -23,12 +23,12 @@ not a sample. This module owns every step of its life (``+verl_stable.routing.sh
    mini-step of a step, so a rank reads once per step (counted: :data:`SIDE_READ_COUNTS`);
 3. lifetime (:func:`clear_stale_prompt_rows`, :func:`async_clear_stale_prompt_rows`): entries whose group has no key
    left in ``train`` / ``val`` are cleared by every worker when verl dispatches new prompts (any trainer class;
-   alongside that dispatch's rollout, which does not wait for it) and
-   by the stable trainers (``trainer.v1.trainer_mode=stable_*``) at every step start and after the last step, so
-   they follow verl's own ``kv_clear`` (after the step, on DAPO/failure eviction, after validation) within a step or
-   two. A worker or trainer clears an entry only when two of its consecutive passes found it stale
-   (:class:`StaleSweep`; the pass after the last step clears at once): in an async run with partial rollouts an
-   actor once missed an entry that the step-start pass had just cleared, so a group can look keyless for a moment.
+   alongside that dispatch's rollout, which does not wait for it), so they follow verl's own ``kv_clear`` (after the
+   step, on DAPO/failure eviction, after validation) within a dispatch or two; the stable trainers
+   (``trainer.v1.trainer_mode=stable_*``) clear what is left after the last step. A worker clears an entry only when
+   two of its consecutive passes found it stale (:class:`StaleSweep`; the pass after the last step clears at once):
+   in an async run with partial rollouts an actor once missed an entry that a single pass had just cleared, so a
+   group can look keyless for a moment.
 
 Correctness rests on two facts: the key covers the rows' content, so a reference can only resolve to bytes equal to
 the sample's own prompt rows; and a side entry is put before any sample that refers to it, while its group's prompt
