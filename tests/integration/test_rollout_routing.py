@@ -14,7 +14,14 @@ from verl.utils.import_utils import load_class_from_fqn
 from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
 from verl_stable.integration import rollout
-from verl_stable.routing.codecs import BoundaryStats, RoutedRows, RowCountError, ZeroRoutingError, encode_sglang
+from verl_stable.routing.codecs import (
+    BoundaryStats,
+    ExpertIdRangeError,
+    RoutedRows,
+    RowCountError,
+    ZeroRoutingError,
+    encode_sglang,
+)
 from verl_stable.routing.trace import RoutingLayout
 from verl_stable.routing.transport import IDS_FIELD, SPAN_FIELD, dense_rows_from_fields
 
@@ -224,6 +231,24 @@ def test_verl_padding_samples_get_no_routing():
         rollout.expand_compact_routing(broken, LAYOUT)
     with pytest.raises(RowCountError, match="sample 1"):
         rollout.routing_trace_from_batch(broken.exclude("response_mask"), LAYOUT)
+
+
+def test_actor_expansion_names_the_sample_whose_routing_is_corrupt():
+    """The actor validates a batch's rows in one pass; a bad id is then located and named per sample."""
+    rng = np.random.default_rng(9)
+    fields = []
+    for prompt_len, mask in ((5, [1, 1]), (3, [1, 1, 1]), (4, [1])):
+        d = rollout.compact_agent_loop_output(agent_output(rng, prompt_len, mask), LAYOUT).as_dict()
+        d["input_ids"] = torch.cat([d["prompts"], d["responses"]])
+        fields.append({k: v for k, v in d.items() if isinstance(v, torch.Tensor)})
+    ids = fields[1][IDS_FIELD].clone()
+    ids[2, 1, 0] = LAYOUT.num_experts  # one id past the last expert, in sample 1's third routed row
+    fields[1][IDS_FIELD] = ids
+    batch = list_of_dict_to_tensordict(fields)
+    start = int(batch[SPAN_FIELD][1][0])
+    with pytest.raises(ExpertIdRangeError, match=rf"sample 1: .*token position {start + 2}, MoE layer 1"):
+        rollout.expand_compact_routing(batch, LAYOUT)
+    assert "routed_experts" not in batch.keys()
 
 
 def test_sglang_reader_fix_returns_vllm_layout():

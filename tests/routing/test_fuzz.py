@@ -21,7 +21,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import array_shapes, arrays
+from tensordict import TensorDict
 
+from verl_stable.integration.rollout.actor import expand_compact_routing
 from verl_stable.routing.codecs import (
     BoundaryStats,
     ExpertIdRangeError,
@@ -208,6 +210,33 @@ def test_transport_fields_and_trace_round_trip(layout, data):
     assert torch.equal(again.to_tensor(), trace.to_tensor()) and again.layer_indices == layout.moe_layers
     unpickled = pickle.loads(pickle.dumps(trace))  # uint16 ids included (torch itself cannot pickle them)
     assert torch.equal(unpickled.ids, trace.ids) and unpickled.lengths.tolist() == lens
+
+
+@FUZZ
+@given(layout=layouts(max_experts=32768), data=st.data())
+def test_actor_expansion_equals_the_per_sample_verl_encoding(layout, data):
+    """The actor's one-pass expansion of the transport fields is verl's per-sample int16 layout, token for token."""
+    batch, lens = data.draw(samples(layout))
+    if not batch:
+        return
+    fields = [sample_fields(s, layout) for s in batch]
+    td = TensorDict(
+        {
+            "input_ids": torch.nested.as_nested_tensor(
+                [torch.zeros(n, dtype=torch.long) for n in lens], layout=torch.jagged
+            ),
+            IDS_FIELD: torch.nested.as_nested_tensor([f[IDS_FIELD] for f in fields], layout=torch.jagged),
+            SPAN_FIELD: torch.stack([f[SPAN_FIELD] for f in fields]),
+        },
+        batch_size=[len(batch)],
+    )
+    assert expand_compact_routing(td, layout)
+    filled = [s if s is not None else RoutedRows(0, make_ids(layout, 0, 0)) for s in batch]
+    want = encode_verl_batch(filled, layout, lens, nested=True)
+    got = td["routed_experts"]
+    assert got.dtype == torch.int16 and torch.equal(got.offsets(), td["input_ids"].offsets())
+    for i, (g, w) in enumerate(zip(got.unbind(), want.unbind(), strict=True)):
+        assert torch.equal(g, w), i
 
 
 @FUZZ

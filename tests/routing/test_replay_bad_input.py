@@ -144,3 +144,46 @@ def test_routing_disagreement_refuses_arguments_that_are_not_traces():
         routing_disagreement(trace.to_tensor(), trace)
     with pytest.raises(TypeError, match="routing_disagreement needs RoutingTrace objects, got Tensor for b"):
         routing_disagreement(trace, trace.to_tensor())
+
+
+# ------------------------------------------------------------------------------------ checked rows (the engine)
+def test_checked_rows_replay_exactly_like_the_trace_they_came_from(model):
+    """``set_checked_rows`` skips the trace's checks, not its meaning: same outputs, stats and (lazy) trace."""
+    from verl_stable.routing.replay import RoutingReplayer
+
+    routing = bind_model(model)
+    ids, mask = padded_batch([3, 2], 3)
+    dense = _trace(model, 5).to_tensor()
+    dense[1, 0] = MISSING  # a row without data keeps the model's own routing on both paths
+    trace = RoutingTrace.from_tensor(dense, 8, layer_indices=routing.layout.moe_layers)
+    with torch.no_grad():
+        own = model(ids, attention_mask=mask).logits
+        with replay(model, trace) as reference:
+            want = model(ids, attention_mask=mask).logits
+        checked = RoutingReplayer(model, routing, None, checked_rows=dense)
+        checked.install()
+        try:
+            got = model(ids, attention_mask=mask).logits
+        finally:
+            checked.remove()
+    assert not torch.allclose(own, want)  # the trace changes the routing: equal outputs below are not vacuous
+    assert torch.equal(got, want)
+    assert checked.stats.as_dict() == reference.stats.as_dict() and checked.stats.missing_rows == 1
+    assert torch.equal(checked.trace.to_tensor(), trace.to_tensor()) and checked.trace.layer_indices == (0, 2)
+    assert _no_hooks_left(model)
+
+
+def test_checked_rows_refuse_what_does_not_fit_the_model(model):
+    from verl_stable.routing.replay import RoutingReplayer
+
+    routing = bind_model(model)
+    rows = _trace(model, 4).to_tensor()
+    with pytest.raises(RoutingTraceError, match=r"int64 \[tokens, moe_layers, top_k\] tensor, got torch.int16"):
+        RoutingReplayer(model, routing, None, checked_rows=rows.to(torch.int16))
+    with pytest.raises(RoutingTraceError, match=r"\[1 MoE layers, top_k 2\], the model expects \[2 MoE layers"):
+        RoutingReplayer(model, routing, None, checked_rows=rows[:, :1])
+    with pytest.raises(ValueError, match="a trace or checked_rows, not both"):
+        RoutingReplayer(model, routing, _trace(model, 4), checked_rows=rows)
+    with pytest.raises(RoutingTraceError, match="token_mask marks 3 token rows but the trace has 4"):
+        RoutingReplayer(model, routing, None, checked_rows=rows, token_mask=torch.tensor([True, True, True, False]))
+    assert _no_hooks_left(model)

@@ -152,3 +152,20 @@ def test_compact_bytes_versus_verl_layout():
     assert packed.ids.numel() == rows * 4 * 4
     assert packed.nbytes == rows * 16 + 8 * (packed.segment_offsets.numel() + 4 * 2 * n)
     assert packed.nbytes < 0.5 * verl_bytes
+
+
+def test_jagged_parts_are_the_samples_unbind_gives():
+    """The offsets-sliced views equal ``unbind`` (zero-length samples too), and other layouts fall back to it."""
+    from verl_stable.routing.checks import jagged_parts
+
+    parts = [torch.arange(n * 6).reshape(n, 3, 2) for n in (3, 0, 5, 1)]
+    jagged = torch.nested.as_nested_tensor(parts, layout=torch.jagged)
+    strided = torch.nested.nested_tensor(parts)
+    dense = torch.stack([p[:1] for p in (parts[0], parts[2], parts[3])])
+    for tensor, want in ((jagged, parts), (strided, parts), (dense, list(dense.unbind(0)))):
+        got = jagged_parts(tensor)
+        assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    with_holes = torch.nested.narrow(
+        torch.arange(12).reshape(3, 4), 1, torch.tensor([0, 1, 2]), torch.tensor([2, 3, 1]), layout=torch.jagged
+    )
+    assert [p.tolist() for p in jagged_parts(with_holes)] == [[0, 1], [5, 6, 7], [10]]

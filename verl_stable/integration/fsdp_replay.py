@@ -20,7 +20,9 @@ Alignment. ``routed_experts`` is per sample, one row per valid token (prompt + r
 decoder layer, in the order of ``input_ids``. Each micro-batch's rows are laid out exactly as verl lays out
 ``input_ids`` for the model (padded, packed + ``pad_to_length`` pad, Ulysses pad + per-rank slice) by
 :mod:`verl_stable.routing.alignment`; pad rows and rows without data (zero rows, e.g. the last sampled token) keep
-the model's own routing and are counted.
+the model's own routing and are counted. The rows are checked there, once per micro-batch (every id in
+``[0, num_experts)``; a row holds data only if its top-k ids are distinct), and handed to the replayer as checked
+rows, not as a trace that would check them again.
 
 Replay replaces only the expert selection; gate weights are recomputed by the family's formula from the live router
 output (:mod:`verl_stable.routing`), so the router is trained. The replay context stays open across the
@@ -101,6 +103,7 @@ from verl_stable.integration.rollout import (
 )
 from verl_stable.monitor.routing_metrics import COVERAGE
 from verl_stable.routing import alignment
+from verl_stable.routing.checks import check_id_range
 from verl_stable.routing.disagreement import expert_sets_differ
 from verl_stable.routing.families import ModelRouting, UnsupportedModelError, bind_model
 from verl_stable.routing.trace import MISSING
@@ -304,9 +307,12 @@ class RouterReplayMixin:
                 f"{layout.model_type} model expects [{layout.num_hidden_layers} decoder layers, top_k {layout.top_k}] "
                 "(routing indexed by absolute decoder layer, dense layers as zero rows)"
             )
-        moe = alignment.select_layers(rows.to(torch.long), layout.moe_layers)
+        moe = alignment.select_layers(rows, layout.moe_layers)
+        check_id_range(moe, layout.num_experts)
+        # a row holds data iff its top-k ids are distinct, so the rows handed to the replayer are distinct and in range:
+        # checked here once (set_checked_rows), not again by a trace
         has_data = alignment.rows_with_data(moe)
-        dense = moe.masked_fill(~has_data.unsqueeze(-1), MISSING)
+        dense = moe.to(torch.long).masked_fill_(~has_data.unsqueeze(-1), MISSING)
         use_remove_padding = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
         if use_remove_padding:
             static_pad = self._get_packed_pad_size(int(offsets[-1]))
@@ -359,10 +365,18 @@ class RouterReplayMixin:
         natural, _ = last_forward_rows(replay_pass.natural)
         token_rows = targets.token_mask.reshape(-1).to(natural.device)
         target = targets.dense.to(natural.device)
-        has_data = (target != MISSING).all(dim=-1)  # [n, M]
+        has_data = target[..., 0] != MISSING  # [n, M]; a row without data is MISSING in every slot
         compared = int(has_data.sum())
-        natural = natural[token_rows].to(torch.long)
-        router_differ = int((expert_sets_differ(natural, target) & has_data).sum())
+        natural = natural[token_rows]
+        replayed = replay_pass.action is ReplayAction.REPLAY
+        if replayed:  # the router's own and the used experts against the target in one comparison
+            used, _ = last_forward_rows(replay_pass.used)
+            both = torch.stack([natural, used[token_rows]]).to(torch.long)
+            differ = expert_sets_differ(both, target.expand(2, *target.shape)) & has_data
+            router_differ_rows, used_differ_rows = differ[0], differ[1]
+        else:
+            router_differ_rows = expert_sets_differ(natural.to(torch.long), target) & has_data
+        router_differ = int(router_differ_rows.sum())
         metrics = {
             "router_disagreement": router_differ / max(compared, 1),
             "compared_rows": float(compared),
@@ -372,13 +386,10 @@ class RouterReplayMixin:
         if replay_pass.action is ReplayAction.REPLAY and self.router_replay_mode == "R2":
             # the update replays pi_old's routing: the router's own choice is how far routing drifted since pi_old
             metrics["r2_drift"] = metrics["router_disagreement"]
-            per_layer = r2_drift_per_layer(natural, target, has_data)
+            per_layer = r2_drift_per_layer(natural.to(torch.long), target, has_data)
             metrics.update({f"r2_drift/layer_{i}": value for i, value in enumerate(per_layer)})
-        if replay_pass.action is ReplayAction.REPLAY:
-            used, _ = last_forward_rows(replay_pass.used)
-            used = used[token_rows].to(torch.long)
-            used_differ = int((expert_sets_differ(used, target) & has_data).sum())
-            metrics["disagreement"] = used_differ / max(compared, 1)
+        if replayed:
+            metrics["disagreement"] = int(used_differ_rows.sum()) / max(compared, 1)
             metrics["replayed_rows"] = float(compared)
         else:
             metrics["disagreement"] = metrics["router_disagreement"]

@@ -38,7 +38,6 @@ from verl_stable.monitor.routing_metrics import COVERAGE_COUNTS
 from verl_stable.routing.disagreement import expert_sets_differ
 from verl_stable.routing.families import ModelRouting
 from verl_stable.routing.replay import RoutingRecorder, RoutingReplayer
-from verl_stable.routing.trace import RoutingTrace
 
 ROUTED_EXPERTS = "routed_experts"
 METRIC_PREFIX = "stable/routing/"  # verl adds "actor/"; the monitored trainers move the keys back under "stable/"
@@ -130,7 +129,7 @@ def routed_rows(micro_batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
 class MicroBatchTargets:
     """The reference routing of one micro-batch, aligned to the rows the routers see on this rank."""
 
-    dense: torch.Tensor  # [token rows, M, K] int64 on device, MISSING where a row has no data
+    dense: torch.Tensor  # [token rows, M, K] int64 on device, MISSING where a row has no data; ids checked
     token_mask: torch.Tensor  # [B, S] bool over the model input: True where a row is a real token
     coverage: dict[str, float] | None = None  # coverage_counts of the whole micro-batch (REPLAY passes only)
 
@@ -165,16 +164,16 @@ class ReplayPass:
         if self.action is not ReplayAction.REPLAY:
             return
         assert targets is not None
-        trace = RoutingTrace.from_tensor(
-            targets.dense, num_experts=self.routing.layout.num_experts, layer_indices=self.routing.layout.moe_layers
-        )
+        # the engine checked the rows as it aligned them (range; a row with data has distinct ids by definition)
         if self.replayer is None:
-            self.replayer = RoutingReplayer(self.model, self.routing, trace, token_mask=targets.token_mask)
+            self.replayer = RoutingReplayer(
+                self.model, self.routing, None, token_mask=targets.token_mask, checked_rows=targets.dense
+            )
             self.replayer.install()
             self.used = RoutingRecorder(self.model, self.routing, use_attention_mask=False)
             self.used.install()
         else:
-            self.replayer.set_trace(trace, token_mask=targets.token_mask)
+            self.replayer.set_checked_rows(targets.dense, token_mask=targets.token_mask)
 
     def close(self) -> None:
         """Remove every session this pass installed."""

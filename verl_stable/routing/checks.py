@@ -16,7 +16,10 @@ Entry points and what they run, all from here:
   ``codecs.common.validated_ids_tensor`` (``validate_rows``, then the one narrowing step of trainer-side rows).
 * ``replay`` / ``RoutingReplayer.set_trace``: the trace must fit the model (``RoutingTrace.validate_for``) and its
   ids are checked again (:func:`check_id_range`, :func:`check_distinct_ids`): a frozen trace still holds mutable
-  tensors. ``routing_disagreement`` / ``expert_sets_differ``: :func:`require_id_tensor`, equal shapes.
+  tensors. ``RoutingReplayer.set_checked_rows`` (the FSDP engine, per micro-batch) checks only shapes: the engine
+  checked the rows' range (:func:`check_id_range` on verl's int16 rows) as it aligned them, and a row it replays
+  has distinct ids by its definition of a row with data. ``routing_disagreement`` / ``expert_sets_differ``:
+  :func:`require_id_tensor`, equal shapes.
 * model configs (``families``): :func:`config_int`.
 
 Each check raises one of the typed errors of :mod:`verl_stable.routing.errors`, naming what was expected and
@@ -155,16 +158,20 @@ def ids_already_checked() -> bool:
 
 
 def check_id_range(ids: torch.Tensor, num_experts: int) -> None:
-    """Raise a RoutingTraceError unless every entry of storage-dtype ids (uint8 / uint16 / int32) is in
-    ``[0, num_experts)``; rows without data hold 0, which is in range."""
+    """Raise a RoutingTraceError unless every entry of integer ids is in ``[0, num_experts)`` (storage dtypes
+    uint8 / uint16 / int32, or the int16 / int64 of verl's and the engines' layouts); rows without data must hold
+    in-range values too (0 in the storage dtypes and in verl's zero rows)."""
     if not ids.numel():
         return
     # uint16 lacks reductions in torch; widen for the range check only
-    hi = int(ids.max()) if ids.dtype != torch.uint16 else int(ids.to(torch.int32).max())
-    lo = int(ids.min()) if ids.dtype == torch.int32 else 0
-    if hi >= num_experts or lo < 0:
+    wide = ids.to(torch.int32) if ids.dtype == torch.uint16 else ids
+    if ids.dtype.is_signed:
+        low, high = (int(v) for v in torch.aminmax(wide))
+    else:
+        low, high = 0, int(wide.max())
+    if high >= num_experts or low < 0:
         raise RoutingTraceError(
-            f"expert id {hi if hi >= num_experts else lo} out of range: expected ids in [0, {num_experts})"
+            f"expert id {high if high >= num_experts else low} out of range: expected ids in [0, {num_experts})"
         )
 
 
@@ -269,10 +276,26 @@ def require_integer_tensor(part: torch.Tensor, what: str) -> None:
         raise RoutingFormatError(f"{what}: expected integers, got dtype {part.dtype}")
 
 
+def jagged_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The per-sample tensors of a nested tensor, or of a stacked one along dim 0.
+
+    A jagged tensor ragged in dim 1 without holes (what TransferQueue and verl build) is sliced from its values by
+    its offsets: views, and several times faster than ``unbind`` on nested tensors, whose dispatch dominates at
+    the batch sizes of one actor call. Anything else goes through ``unbind``.
+    """
+    if not tensor.is_nested:
+        return list(tensor.unbind(0))
+    if tensor.layout != torch.jagged or getattr(tensor, "_ragged_idx", 1) != 1 or tensor._lengths is not None:
+        return list(tensor.unbind())
+    values = tensor.values()
+    bounds = tensor.offsets().tolist()
+    return [values[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
 def unbind_integer(ids: torch.Tensor | Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
     """Per-sample integer tensors of a jagged / stacked tensor or a list of tensors."""
     if isinstance(ids, torch.Tensor):
-        parts = list(ids.unbind()) if ids.is_nested else list(ids.unbind(0)) if ids.dim() else [ids]
+        parts = jagged_parts(ids) if ids.dim() else [ids]
     elif isinstance(ids, (list, tuple)):
         parts = list(ids)
     else:

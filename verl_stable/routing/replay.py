@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from verl_stable.routing.checks import check_distinct_ids, check_id_range
+from verl_stable.routing.checks import check_distinct_ids, check_id_range, ids_checked
 from verl_stable.routing.errors import RoutingTraceError
 from verl_stable.routing.families import ModelRouting, RoutingSite, bind_model
 from verl_stable.routing.hooks import _Forward, _RoutingSession
@@ -162,12 +162,19 @@ class RoutingReplayer(_RoutingSession):
         self,
         model: nn.Module,
         routing: ModelRouting,
-        trace: RoutingTrace,
+        trace: RoutingTrace | None,
         token_mask: torch.Tensor | None = None,
+        *,
+        checked_rows: torch.Tensor | None = None,
     ) -> None:
         super().__init__(model, routing)
         self.stats = ReplayStats()
-        self.set_trace(trace, token_mask)
+        if checked_rows is None:
+            self.set_trace(trace, token_mask)  # type: ignore[arg-type]  (None raises its TypeError there)
+        elif trace is not None:
+            raise ValueError("RoutingReplayer takes a trace or checked_rows, not both")
+        else:
+            self.set_checked_rows(checked_rows, token_mask)
 
     def set_trace(self, trace: RoutingTrace, token_mask: torch.Tensor | None = None) -> None:
         """Replay ``trace`` from the next forward on (e.g. the next micro-batch).
@@ -185,23 +192,73 @@ class RoutingReplayer(_RoutingSession):
             check_distinct_ids(trace.ids, trace.valid)
         except RoutingTraceError as exc:
             raise RoutingTraceError(f"replay: {exc} (the trace's tensors were modified after it was built)") from None
+        self._load(trace.to_tensor(), token_mask, trace)
+
+    def set_checked_rows(self, ids: torch.Tensor, token_mask: torch.Tensor | None = None) -> None:
+        """Replay dense ids that the caller checked itself, without building and re-checking a trace.
+
+        For a caller that validated the ids in the same call (the FSDP engine checks each micro-batch's rows for
+        range and repeated experts as it aligns them): building a :class:`RoutingTrace` and checking it again
+        would repeat that work for every micro-batch. Only the shape and the token mask are checked here.
+
+        Args:
+            ids: int64 ``[N, moe_layers, top_k]``; every row either holds ``top_k`` distinct ids in
+                ``[0, num_experts)`` or is ``-1`` in every slot (no data: the model's own routing is kept).
+            token_mask: as in :meth:`set_trace`.
+        """
+        layout = self.layout
+        expected = (len(layout.moe_layers), layout.top_k)
+        if not isinstance(ids, torch.Tensor) or ids.is_nested or ids.dtype != torch.long or ids.dim() != 3:
+            got = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+            raise RoutingTraceError(
+                f"replay: checked rows must be an int64 [tokens, moe_layers, top_k] tensor, got {got}"
+            )
+        if tuple(ids.shape[1:]) != expected:
+            raise RoutingTraceError(
+                f"replay: checked rows are [{ids.shape[1]} MoE layers, top_k {ids.shape[2]}], the model expects "
+                f"[{expected[0]} MoE layers, top_k {expected[1]}]"
+            )
+        self._load(ids, token_mask, None)
+
+    @property
+    def trace(self) -> RoutingTrace:
+        """The routing being replayed (built on first access when it was set by :meth:`set_checked_rows`)."""
+        if self._trace is None:
+            valid = self._valid_rows
+            compact = self._ids.clamp_min(0).cpu().to(storage_dtype(self.layout.num_experts))
+            with ids_checked():  # rows the caller checked (set_checked_rows)
+                self._trace = RoutingTrace(
+                    compact,
+                    self.layout.num_experts,
+                    valid=None if valid is None else valid.cpu(),
+                    layer_indices=self.layout.moe_layers,
+                )
+        return self._trace
+
+    def _load(self, ids: torch.Tensor, token_mask: torch.Tensor | None, trace: RoutingTrace | None) -> None:
+        """Hold dense ``[N, L, K]`` int64 ids (``-1`` rows without data) for the next forward."""
+        num_tokens = int(ids.shape[0])
         if token_mask is not None:
             if not isinstance(token_mask, torch.Tensor):
                 raise RoutingTraceError(f"token_mask must be a bool tensor, got {type(token_mask).__name__}")
             if token_mask.is_nested or token_mask.dtype != torch.bool:
                 got = "a nested tensor" if token_mask.is_nested else token_mask.dtype
                 raise RoutingTraceError(f"token_mask must be a bool tensor, got {got}")
-            if int(token_mask.sum()) != trace.num_tokens:
+            if int(token_mask.sum()) != num_tokens:
                 raise RoutingTraceError(
-                    f"token_mask marks {int(token_mask.sum())} token rows but the trace has {trace.num_tokens}"
+                    f"token_mask marks {int(token_mask.sum())} token rows but the trace has {num_tokens}"
                 )
-        self.trace = trace
+        self._trace = trace
         self.token_mask = token_mask
-        ids = trace.to_tensor()
-        self._ids_cpu = [ids[:, layer].contiguous() for layer in range(trace.num_layers)]
-        valid = trace.valid
-        self._valid_cpu = [None if valid is None else valid[:, layer].contiguous() for layer in range(trace.num_layers)]
-        self._missing = [0 if v is None else int((~v).sum()) for v in self._valid_cpu]
+        self._num_tokens = num_tokens
+        self._ids = ids
+        valid = ids[:, :, 0] >= 0  # a row without data is -1 in every slot
+        missing = (~valid).sum(dim=0).tolist()
+        self._valid_rows = valid if any(missing) else None
+        # one copy into layer-major order: every layer's rows are then a contiguous view
+        self._ids_cpu = list(ids.transpose(0, 1).contiguous().unbind(0))
+        self._valid_cpu = [None] * len(missing) if self._valid_rows is None else list(valid.t().contiguous().unbind(0))
+        self._missing = missing
         self._device_cache: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor | None]]] = {}
         self._positions: torch.Tensor | None = None
 
@@ -215,7 +272,7 @@ class RoutingReplayer(_RoutingSession):
 
     def _begin_forward(self, fwd: _Forward) -> None:
         self.stats.forwards += 1
-        n = self.trace.num_tokens
+        n = self._num_tokens
         if fwd.mask is None:
             self._positions = None
             if fwd.rows is not None and fwd.rows != n:

@@ -19,10 +19,24 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 
 from verl_stable.integration.rollout.boundary import BOUNDARY_FIELD
-from verl_stable.integration.rollout.sharing import PROMPT_REF_FIELD, SharedRowReader, attach_shared_prompt_rows
-from verl_stable.routing.codecs import RoutedRows, RowCountError, encode_verl_batch, rows_to_trace
+from verl_stable.integration.rollout.sharing import (
+    PROMPT_REF_FIELD,
+    SharedRowReader,
+    attach_shared_prompt_rows,
+    merged_sample_rows,
+)
+from verl_stable.routing.checks import check_wire_width, jagged_parts, span_pairs, unbind_integer
+from verl_stable.routing.codecs import (
+    RoutedRows,
+    RoutingFormatError,
+    RowCountError,
+    rows_to_trace,
+    validate_ids,
+    validate_rows,
+)
 from verl_stable.routing.trace import RoutingLayout, RoutingTrace
 from verl_stable.routing.transport import IDS_FIELD, SPAN_FIELD, rows_from_fields
 
@@ -90,20 +104,79 @@ def expand_compact_routing(
 
     Produces verl's V1 form, jagged int16 ``[B, (prompt_len_i + response_len_i), num_hidden_layers, top_k]`` aligned
     with the jagged ``input_ids``, zero rows where nothing was recorded, so a replay engine written for verl's layout
-    consumes it unchanged. Shared prompt rows are re-attached first (:func:`~.sharing.attach_shared_prompt_rows`:
-    through the rank's ``reader`` if given, else one ``kv_batch_get`` of the batch's groups, default
-    TransferQueue's). Returns True when it added the field.
+    consumes it unchanged. Shared prompt rows are put in front of each sample's own rows first
+    (:func:`~.sharing.merged_sample_rows`: through the rank's ``reader`` if given, else one ``kv_batch_get`` of the
+    batch's groups, default TransferQueue's). The whole batch is validated and scattered in one pass, not sample by
+    sample (this runs at every actor call); an invalid batch is checked again per sample to name the sample. Returns
+    True when it added the field.
     """
     if IDS_FIELD not in data.keys() or "routed_experts" in data.keys():
         return False
     input_ids = data["input_ids"]
     if not input_ids.is_nested:
         raise RowCountError("expanding compact routing needs jagged input_ids (verl's V1 / TransferQueue batches)")
-    attach_shared_prompt_rows(data, kv_batch_get, layout, reader)
-    lengths = input_ids.offsets().diff().tolist()
-    rows = [r if r is not None else _no_rows(layout) for r in _batch_rows(data, lengths)]
-    data["routed_experts"] = encode_verl_batch(rows, layout, lengths, nested=True).to(input_ids.device)
+    merged = merged_sample_rows(data, kv_batch_get, layout, reader)
+    parts = unbind_integer(data[IDS_FIELD], IDS_FIELD) if merged is None else merged[0]
+    offsets = input_ids.offsets()
+    rows = _verl_rows(data, parts, offsets.cpu(), layout)
+    data["routed_experts"] = torch.nested.nested_tensor_from_jagged(rows.to(input_ids.device), offsets)
     return True
+
+
+def _verl_rows(data: Any, parts: list[torch.Tensor], offsets: torch.Tensor, layout: RoutingLayout) -> torch.Tensor:
+    """The batch's routing as verl's int16 ``[tokens, num_hidden_layers, top_k]`` values over ``offsets``."""
+    check_wire_width(np.dtype(np.int16), layout.num_experts, "verl routed_experts")
+    spans = span_pairs(data[SPAN_FIELD], SPAN_FIELD)
+    if len(parts) != spans.shape[0]:
+        raise RowCountError(f"{len(parts)} routing entries but {spans.shape[0]} spans")
+    for i, (part, (start, stop)) in enumerate(zip(parts, spans.tolist(), strict=True)):
+        if part.dim() != 3 or part.shape[0] != stop - start:
+            raise RowCountError(f"sample {i}: span [{start}, {stop}) but {tuple(part.shape)} routing rows")
+    lengths = offsets.diff()
+    if lengths.numel() != len(parts):
+        raise RowCountError(f"{len(parts)} routing entries for {lengths.numel()} sequences")
+    keep = _drop_padding_samples(data, spans, lengths)
+    kept = [part for part, k in zip(parts, keep, strict=True) if k]
+    out = torch.zeros(int(offsets[-1]), layout.num_hidden_layers, layout.top_k, dtype=torch.int16)
+    if not kept:
+        return out
+    values = torch.cat([part.detach().cpu() for part in kept])
+    try:
+        validate_ids(values.numpy(), layout)
+    except RoutingFormatError:
+        for i, (part, (start, _)) in enumerate(zip(parts, spans.tolist(), strict=True)):
+            if keep[i] and part.shape[0]:
+                validate_rows(RoutedRows(start, part.detach().cpu().numpy()), layout, f"sample {i}")
+        raise
+    mask = torch.tensor(keep)
+    counts = (spans[:, 1] - spans[:, 0])[mask]
+    first = (offsets[:-1] + spans[:, 0])[mask]  # where each kept sample's first routed row lands
+    sample = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    position = first[sample] + torch.arange(values.shape[0]) - (counts.cumsum(0) - counts)[sample]
+    layers = torch.tensor(layout.moe_layers, dtype=torch.long)
+    out[position.unsqueeze(1), layers.unsqueeze(0)] = values.to(torch.int16)
+    return out
+
+
+def _drop_padding_samples(data: Any, spans: torch.Tensor, lengths: torch.Tensor) -> list[bool]:
+    """Which samples keep their routing: all but verl's synthetic padding samples (see :func:`_batch_rows`)."""
+    keep = [True] * spans.shape[0]
+    over = (spans[:, 1] > lengths).nonzero().flatten().tolist()
+    if not over:
+        return keep
+    if "response_mask" not in data.keys():
+        i = over[0]
+        raise RowCountError(
+            f"sample {i}: routing covers positions up to {int(spans[i, 1])} of {int(lengths[i])} tokens"
+        )
+    masks = jagged_parts(data["response_mask"])
+    for i in over:
+        if masks[i].any():
+            raise RowCountError(
+                f"sample {i}: routing covers positions up to {int(spans[i, 1])} of its {int(lengths[i])} tokens"
+            )
+        keep[i] = False
+    return keep
 
 
 def without_compact_fields(data: Any) -> Any:

@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+from verl_stable.routing.checks import jagged_parts
 from verl_stable.routing.codecs import (
     ExpertIdRangeError,
     RoutedRows,
@@ -76,6 +77,7 @@ __all__ = [
     "StaleSweep",
     "async_clear_stale_prompt_rows",
     "attach_shared_prompt_rows",
+    "merged_sample_rows",
     "clear_stale_prompt_rows",
     "key_of_ref",
     "prompt_ref",
@@ -235,7 +237,7 @@ def shared_sample_fields(
 # ------------------------------------------------------------------------------------------------- actor side
 def _refs_tensor(refs: Any) -> torch.Tensor:
     if isinstance(refs, torch.Tensor) and refs.is_nested:
-        parts = [p.reshape(-1) for p in refs.unbind()]
+        parts = [p.reshape(-1) for p in jagged_parts(refs)]
         table = torch.stack(parts) if parts else torch.zeros(0, 3, dtype=torch.int64)
     else:
         table = torch.as_tensor(refs)
@@ -248,7 +250,7 @@ def _refs_tensor(refs: Any) -> torch.Tensor:
 
 def _unbind_ids(ids: Any) -> list[torch.Tensor]:
     if isinstance(ids, torch.Tensor):
-        return list(ids.unbind()) if ids.is_nested else list(ids.unbind(0))
+        return jagged_parts(ids)
     return list(ids)
 
 
@@ -257,7 +259,7 @@ def _span_start(data: Any, i: int) -> int:
     if SPAN_FIELD not in data.keys():
         return 0
     spans = data[SPAN_FIELD]
-    span = spans.unbind()[i] if spans.is_nested else spans[i]
+    span = jagged_parts(spans)[i] if spans.is_nested else spans[i]
     return max(int(span.reshape(-1)[0]), 0)
 
 
@@ -351,7 +353,7 @@ class SharedRowReader:
                 f"{PROMPT_PARTITION!r}: they were cleared before the actor read the batch, or never put ({exc})"
             ) from exc
         found = got[IDS_FIELD]
-        rows = list(found.unbind()) if found.is_nested else list(found.unbind(0))
+        rows = jagged_parts(found)
         if len(rows) != len(keys):  # TransferQueue leaves out missing keys unless all are missing
             raise SharedPromptRowsError(
                 f"{len(keys) - len(rows)} of {len(keys)} shared prompt-row entries are not in TransferQueue partition "
@@ -381,13 +383,35 @@ def attach_shared_prompt_rows(
         RoutingFormatError: (its subclasses as found) an entry in another dtype whose ids would not survive the
             cast, or fail validation against ``layout``.
     """
-    if PROMPT_REF_FIELD not in data.keys():
+    merged = merged_sample_rows(data, kv_batch_get, layout, reader)
+    if merged is None:
         return 0
+    parts, shared = merged
+    data[IDS_FIELD] = torch.nested.as_nested_tensor(parts, layout=torch.jagged)
+    data[PROMPT_REF_FIELD] = torch.zeros_like(_refs_tensor(data[PROMPT_REF_FIELD]))
+    return shared
+
+
+def merged_sample_rows(
+    data: Any, kv_batch_get: Any = None, layout: RoutingLayout | None = None, reader: SharedRowReader | None = None
+) -> tuple[list[torch.Tensor], int] | None:
+    """Each sample's rows with its shared prompt rows in front, without writing them back into ``data``.
+
+    What :func:`attach_shared_prompt_rows` stores (same reads, same checks, same errors), for a caller that
+    consumes the rows at once (the actor's expansion to verl's layout).
+
+    Returns:
+        ``(rows per sample, samples that got prompt rows)``, or None when no sample of the batch refers to a side
+        entry (the rows are then :data:`IDS_FIELD` as it is).
+    """
+    if PROMPT_REF_FIELD not in data.keys():
+        return None
     refs = _refs_tensor(data[PROMPT_REF_FIELD])
     shared = (refs[:, 0] > 0).tolist()
     if not any(shared):
-        return 0
-    keys = [key_of_ref(ref) if s else None for ref, s in zip(refs.tolist(), shared, strict=True)]
+        return None
+    ref_rows = refs.tolist()
+    keys = [key_of_ref(ref) if s else None for ref, s in zip(ref_rows, shared, strict=True)]
     unique = sorted({k for k in keys if k is not None})
     rows_of = (reader if reader is not None else SharedRowReader(kv_batch_get)).rows(unique)
     parts = _unbind_ids(data[IDS_FIELD])
@@ -400,7 +424,7 @@ def attach_shared_prompt_rows(
             merged.append(part)
             continue
         prompt = rows_of[key]
-        want = int(refs[i, 0])
+        want = ref_rows[i][0]
         if prompt.shape[0] != want or prompt.shape[1:] != part.shape[1:]:
             raise SharedPromptRowsError(
                 f"sample {i}: shared entry {key} holds {tuple(prompt.shape)} rows, the sample expects {want} rows of "
@@ -411,9 +435,7 @@ def attach_shared_prompt_rows(
             _check_before_cast(prompt, part.dtype, layout, where=where, start=_span_start(data, i))
             checked.add((key, part.dtype))
         merged.append(torch.cat([prompt.to(part.device, part.dtype), part]))
-    data[IDS_FIELD] = torch.nested.as_nested_tensor(merged, layout=torch.jagged)
-    data[PROMPT_REF_FIELD] = torch.zeros_like(refs)
-    return sum(shared)
+    return merged, sum(shared)
 
 
 # -------------------------------------------------------------------------------------------------- lifetime
