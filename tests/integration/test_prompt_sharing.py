@@ -388,6 +388,25 @@ def test_a_sweep_clears_an_entry_only_when_two_consecutive_passes_found_it_stale
     assert store.side_entries() == {}
 
 
+def test_a_sweep_is_one_listing_of_every_partition():
+    """One controller snapshot per pass (it runs at every dispatch): not one request per partition."""
+    rng = np.random.default_rng(12)
+    store = KVStore()
+    _shared_groups(store, rng, ("a", "b"))
+    store.kv_clear(["a", "a_0_0", "a_1_0"], "train")
+    calls = []
+
+    async def async_kv_list(partition_id=None):
+        calls.append(partition_id)
+        return await store.async_kv_list(partition_id)
+
+    assert asyncio.run(rollout.async_clear_stale_prompt_rows(async_kv_list, store.async_kv_clear)) == 1
+    assert calls == [None] and [t["uid"] for t in store.side_entries().values()] == ["b"]
+    sync_calls = []
+    assert rollout.clear_stale_prompt_rows(lambda p=None: sync_calls.append(p) or store.kv_list(p), store.kv_clear) == 0
+    assert sync_calls == [None]
+
+
 def test_agent_loop_workers_clear_with_the_async_api_too():
     """What each worker runs when verl dispatches new prompts (any trainer class)."""
     rng = np.random.default_rng(8)

@@ -464,10 +464,11 @@ class StaleSweep:
 def clear_stale_prompt_rows(kv_list: Any = None, kv_clear: Any = None, sweep: StaleSweep | None = None) -> int:
     """Clear the side entries whose group has no key left in verl's sample partitions (TransferQueue's sync API).
 
-    verl clears a group's keys itself (after the step, on eviction, after validation); this follows it. The side
-    partition is listed *before* the sample partitions: an entry is put only while its group's prompt key exists, so
-    an entry seen first and then without any key of its group belongs to a group verl has finished with, also while
-    async rollouts keep putting. Any number of processes may run it at once.
+    verl clears a group's keys itself (after the step, on eviction, after validation); this follows it. Every
+    partition is listed in one request (``kv_list()``): TransferQueue's controller answers it from one snapshot, so
+    an entry listed without any key of its group belongs to a group verl had finished with at that moment (an entry
+    is put only while its group's prompt key exists), also while async rollouts keep putting. One request, not one
+    per partition: this runs at every dispatch. Any number of processes may run it at once.
 
     With ``sweep``, only the entries its previous pass found stale too are cleared (:class:`StaleSweep`).
 
@@ -478,13 +479,7 @@ def clear_stale_prompt_rows(kv_list: Any = None, kv_clear: Any = None, sweep: St
         import transfer_queue as tq
 
         kv_list, kv_clear = kv_list or tq.kv_list, kv_clear or tq.kv_clear
-    side = (kv_list(PROMPT_PARTITION) or {}).get(PROMPT_PARTITION, {})
-    if not side:
-        return 0
-    sources = {p: (kv_list(p) or {}).get(p, {}) for p in SOURCE_PARTITIONS}
-    stale = stale_prompt_entries(side, sources)
-    if sweep is not None:
-        stale = sweep.due(stale)
+    stale = _stale_in(kv_list() or {}, sweep)
     if stale:
         kv_clear(keys=stale, partition_id=PROMPT_PARTITION)
     return len(stale)
@@ -498,13 +493,16 @@ async def async_clear_stale_prompt_rows(
         import transfer_queue as tq
 
         kv_list, kv_clear = kv_list or tq.async_kv_list, kv_clear or tq.async_kv_clear
-    side = ((await kv_list(PROMPT_PARTITION)) or {}).get(PROMPT_PARTITION, {})
-    if not side:
-        return 0
-    sources = {p: ((await kv_list(p)) or {}).get(p, {}) for p in SOURCE_PARTITIONS}
-    stale = stale_prompt_entries(side, sources)
-    if sweep is not None:
-        stale = sweep.due(stale)
+    stale = _stale_in((await kv_list()) or {}, sweep)
     if stale:
         await kv_clear(keys=stale, partition_id=PROMPT_PARTITION)
     return len(stale)
+
+
+def _stale_in(listing: Mapping[str, Any], sweep: StaleSweep | None) -> list[str]:
+    """The side entries of one all-partition ``kv_list`` to clear now."""
+    side = listing.get(PROMPT_PARTITION) or {}
+    if not side:
+        return []
+    stale = stale_prompt_entries(side, {p: listing.get(p) or {} for p in SOURCE_PARTITIONS})
+    return sweep.due(stale) if sweep is not None else stale
