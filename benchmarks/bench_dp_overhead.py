@@ -201,7 +201,15 @@ def attach_cpu(rows: list[dict], cpu_path: Path) -> list[dict]:
 
 
 def overrides(
-    variant: str, assets, workdir: Path, *, steps: int, dp: int, routing_interval: int, response_length: int = 4
+    variant: str,
+    assets,
+    workdir: Path,
+    *,
+    steps: int,
+    dp: int,
+    routing_interval: int,
+    response_length: int = 4,
+    share_prompt_rows: bool = True,
 ) -> list[str]:
     """The hydra overrides of one run of ``variant`` at ``dp`` actor ranks (and as many rollout replicas)."""
     from verl_stable.cpu import launch
@@ -229,6 +237,8 @@ def overrides(
     if level >= 1:
         ov += [f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={rollout.MANAGER_FQN}"]
         ov += ["trainer.v1.trainer_mode=stable_sync"]
+        if not share_prompt_rows:
+            ov.append("+verl_stable.routing.share_prompt_rows=false")
     if level >= 2:
         ov.append("+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3")
     if level >= 3:
@@ -248,11 +258,19 @@ def run(
     routing_interval: int,
     response_length: int = 4,
     poll_s: float = POLL_S,
+    share_prompt_rows: bool = True,
 ) -> list[dict]:
     from verl_stable.cpu import launch
 
     ov = overrides(
-        variant, assets, workdir, steps=steps, dp=dp, routing_interval=routing_interval, response_length=response_length
+        variant,
+        assets,
+        workdir,
+        steps=steps,
+        dp=dp,
+        routing_interval=routing_interval,
+        response_length=response_length,
+        share_prompt_rows=share_prompt_rows,
     )
     t0 = time.perf_counter()
     metrics = workdir / "metrics.jsonl"
@@ -379,6 +397,11 @@ def main() -> None:
     parser.add_argument("--skip-dp1", action="store_true", help="no dp=1 run for the routing bytes")
     parser.add_argument("--response-length", type=int, default=4, help="tokens per response (ignore_eos)")
     parser.add_argument("--hidden-size", type=int, default=64, help="the tiny Qwen3-MoE's hidden size")
+    parser.add_argument(
+        "--no-share-prompt-rows",
+        action="store_true",
+        help="the routing variants keep every sample's prompt rows (+verl_stable.routing.share_prompt_rows=false)",
+    )
     parser.add_argument("--report-only", action="store_true", help="print the figures of the runs in --workdir")
     parser.add_argument("--workdir", default="/tmp/bench_dp")
     args = parser.parse_args()
@@ -394,6 +417,7 @@ def main() -> None:
         "dp": args.dp,
         "routing_interval": args.routing_interval,
         "response_length": args.response_length,
+        "share_prompt_rows": not args.no_share_prompt_rows,
     }
     names = VARIANTS if args.ladder else ("plain", "r3")
     runs: dict[str, list[list[dict]]] = {v: [] for v in names}
