@@ -13,6 +13,10 @@ they sample):
   update, and ``stable_sync`` runs the monitor and the guard (the recipe's ``routing_interval``, default 10: routing
   metrics fetched every 10th step). The loss stays verl's GRPO, so only the routing machinery differs.
 
+``--no-share-prompt-rows`` runs the routing variants with every sample keeping its prompt rows
+(``+verl_stable.routing.share_prompt_rows=false``): what the side entries of
+:mod:`verl_stable.integration.rollout.sharing` cost at this shape.
+
 ``--ladder`` adds the steps in between, each one feature more than the last, all on ``stable_sync`` with its monitor
 and guard switched off (verl's own ``sync`` trainer would make the plugin's workers put samples one after another,
 see ``integration/rollout/seeding.py``): ``export`` (the rollout's routing through the plugin's agent-loop manager;

@@ -38,7 +38,10 @@ Bytes per real token on this path (Qwen3-30B-A3B shape, batch builder of ``bench
 fields + counters; verl V1 stores 768): responses up to 4k, prompts up to 1k: 384 per sample vs 314 per group for
 n = 8 (1.22x), 287 for n = 16 (1.34x); prompts up to 4k: 213 (n = 8, 1.80x) and 171 (n = 16, 2.25x).
 :class:`~verl_stable.routing.transport.PackedRouting` deduplicates the same way where a whole batch travels as one
-object.
+object. The price is round trips: one put per group (awaited by its other samples), one read per actor rank and step,
+the sweep's listing per dispatch. Where prompt rows are small they cost more than the bytes they save (the tiny CPU
+model of ``benchmarks/bench_dp_overhead.py``: 1.5 KB saved per step, 1.06x vs 1.02x of plain GRPO's step time with
+and without sharing, docs/benchmarks.md); ``share_prompt_rows=false`` is then the faster setting.
 
 No verl import; TransferQueue is imported only when no reader / writer is passed.
 """
