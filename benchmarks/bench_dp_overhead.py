@@ -13,9 +13,11 @@ they sample):
   update, and ``stable_sync`` runs the monitor and the guard (the recipe's ``routing_interval``, default 10: routing
   metrics fetched every 10th step). The loss stays verl's GRPO, so only the routing machinery differs.
 
-``--no-share-prompt-rows`` runs the routing variants with every sample keeping its prompt rows
-(``+verl_stable.routing.share_prompt_rows=false``): what the side entries of
-:mod:`verl_stable.integration.rollout.sharing` cost at this shape.
+The routing variants share a group's prompt rows as the recipe does: only where that saves
+``share_prompt_rows_min_bytes`` (default 2 MiB; this shape's groups save a few hundred bytes, so they keep their
+rows). ``--share-min-bytes 0`` shares every group, which is what the side entries of
+:mod:`verl_stable.integration.rollout.sharing` cost at this shape; ``--no-share-prompt-rows`` turns sharing off
+(``+verl_stable.routing.share_prompt_rows=false``).
 
 ``--ladder`` adds the steps in between, each one feature more than the last, all on ``stable_sync`` with its monitor
 and guard switched off (verl's own ``sync`` trainer would make the plugin's workers put samples one after another,
@@ -43,7 +45,8 @@ the shared prompt rows (``stable/routing/transport/side_*``, counted by each ran
 reads in all and per rank, entries fetched and entries served from what a rank already held, bytes fetched.
 
     python benchmarks/bench_dp_overhead.py [--runs 2] [--steps 4] [--ladder] [--routing-interval 10] [--skip-dp1]
-        [--response-length 4] [--hidden-size 64] [--workdir /tmp/bench_dp] [--report-only]
+        [--response-length 4] [--hidden-size 64] [--share-min-bytes N | --no-share-prompt-rows]
+        [--workdir /tmp/bench_dp] [--report-only]
 
 ``--response-length`` / ``--hidden-size`` scale the per-token work (generation steps, sequence length) and the
 model: a cost per call or per step stays the same while the step grows, a cost per token grows with it.
@@ -214,6 +217,7 @@ def overrides(
     routing_interval: int,
     response_length: int = 4,
     share_prompt_rows: bool = True,
+    share_min_bytes: int | None = None,
 ) -> list[str]:
     """The hydra overrides of one run of ``variant`` at ``dp`` actor ranks (and as many rollout replicas)."""
     from verl_stable.cpu import launch
@@ -243,6 +247,8 @@ def overrides(
         ov += ["trainer.v1.trainer_mode=stable_sync"]
         if not share_prompt_rows:
             ov.append("+verl_stable.routing.share_prompt_rows=false")
+        elif share_min_bytes is not None:
+            ov.append(f"+verl_stable.routing.share_prompt_rows_min_bytes={share_min_bytes}")
     if level >= 2:
         ov.append("+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3")
     if level >= 3:
@@ -263,6 +269,7 @@ def run(
     response_length: int = 4,
     poll_s: float = POLL_S,
     share_prompt_rows: bool = True,
+    share_min_bytes: int | None = None,
 ) -> list[dict]:
     from verl_stable.cpu import launch
 
@@ -275,6 +282,7 @@ def run(
         routing_interval=routing_interval,
         response_length=response_length,
         share_prompt_rows=share_prompt_rows,
+        share_min_bytes=share_min_bytes,
     )
     t0 = time.perf_counter()
     metrics = workdir / "metrics.jsonl"
@@ -406,6 +414,12 @@ def main() -> None:
         action="store_true",
         help="the routing variants keep every sample's prompt rows (+verl_stable.routing.share_prompt_rows=false)",
     )
+    parser.add_argument(
+        "--share-min-bytes",
+        type=int,
+        default=None,
+        help="+verl_stable.routing.share_prompt_rows_min_bytes of the routing variants (default: the recipe's, 2 MiB)",
+    )
     parser.add_argument("--report-only", action="store_true", help="print the figures of the runs in --workdir")
     parser.add_argument("--workdir", default="/tmp/bench_dp")
     args = parser.parse_args()
@@ -422,6 +436,7 @@ def main() -> None:
         "routing_interval": args.routing_interval,
         "response_length": args.response_length,
         "share_prompt_rows": not args.no_share_prompt_rows,
+        "share_min_bytes": args.share_min_bytes,
     }
     names = VARIANTS if args.ladder else ("plain", "r3")
     runs: dict[str, list[list[dict]]] = {v: [] for v in names}

@@ -10,7 +10,9 @@ x ``--n`` responses with prompt lengths U[P/4, P] and response lengths U[R/64, R
   (``+verl_stable.routing.share_prompt_rows=false``): prompt rows once per *sample*;
 * ``stable-shared``: what verl-stable's V1 agent-loop workers put by default: the per-sample fields without the
   prompt rows of a group (``+ stable_routing_prompt_ref``) plus one side entry of prompt rows per group
-  (:func:`~verl_stable.integration.rollout.shared_sample_fields`);
+  (:func:`~verl_stable.integration.rollout.shared_sample_fields`), for the groups whose sharing saves at least
+  ``--share-min-bytes`` (default 2 MiB, the workers' ``share_prompt_rows_min_bytes``; here a prompt of >= 781
+  tokens at n = 8); the others keep their rows per sample;
 * ``stable-packed``: verl-stable's :class:`PackedRouting` (one object per batch, prompt rows once per group).
 
 Each payload is ``ray.put`` by the driver and fetched by a Ray task in another process, which checks its size;
@@ -38,7 +40,12 @@ import numpy as np
 import psutil
 import torch
 
-from verl_stable.integration.rollout import BOUNDARY_COLUMNS, PromptRowSharing, shared_sample_fields
+from verl_stable.integration.rollout import (
+    BOUNDARY_COLUMNS,
+    DEFAULT_SHARE_MIN_BYTES,
+    PromptRowSharing,
+    shared_sample_fields,
+)
 from verl_stable.routing.codecs import decode_vllm
 from verl_stable.routing.trace import RoutingLayout
 from verl_stable.routing.transport import IDS_FIELD, PackedRouting, sample_fields
@@ -84,9 +91,11 @@ def build(kind: str, samples, max_prompt: int, max_response: int):
     if kind == "stable-fields":
         return [sample_fields(d, LAYOUT) for d in decoded]
     if kind == "stable-shared":  # per-sample entries, then one side entry per group, as the V1 workers put them
-        sharing, entries, sides = PromptRowSharing(), [], []
+        sharing, entries, sides = PromptRowSharing(ARGS.share_min_bytes), [], []
         for i, (d, (_, p, _)) in enumerate(zip(decoded, samples, strict=True)):
-            fields, share = shared_sample_fields(d, LAYOUT, sharing, prompt_len=p, uid=f"g{i // ARGS.n}")
+            fields, share = shared_sample_fields(
+                d, LAYOUT, sharing, prompt_len=p, uid=f"g{i // ARGS.n}", group_size=ARGS.n
+            )
             entries.append(fields)
             if share.side is not None:
                 sides.append({IDS_FIELD: share.side.ids})
@@ -143,6 +152,7 @@ def main() -> None:
     kinds = ["verl-padded", "verl-jagged", "stable-fields", "stable-shared", "stable-packed"]
     results: dict[str, dict[str, list[float]]] = {k: {"bytes": [], "obj": [], "peak": [], "sec": []} for k in kinds}
     argv = [f"--groups={ARGS.groups}", f"--n={ARGS.n}", f"--prompt={ARGS.prompt}", f"--response={ARGS.response}"]
+    argv.append(f"--share-min-bytes={ARGS.share_min_bytes}")
     for _ in range(ARGS.rounds):
         for kind in kinds:  # interleaved, one fresh process per measurement so peaks do not mask each other
             out = subprocess.run(
@@ -204,6 +214,12 @@ if __name__ == "__main__":
     parser.add_argument("--prompt", type=int, default=1024, help="max prompt length (verl prompt_length)")
     parser.add_argument("--response", type=int, default=4096, help="max response length (verl response_length)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--share-min-bytes",
+        type=int,
+        default=DEFAULT_SHARE_MIN_BYTES,
+        help="verl_stable.routing.share_prompt_rows_min_bytes of stable-shared (default: the workers' default)",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ARGS = parser.parse_args()
     if ARGS.child:

@@ -54,6 +54,7 @@ def _run_r3_with_faults(assets, tmp):
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",  # two micro-batches per mini-step
         "actor_rollout_ref.rollout.ignore_eos=True",  # every response RESPONSE_LEN tokens
         f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={rollout.MANAGER_FQN}",
+        "+verl_stable.routing.share_prompt_rows_min_bytes=0",  # share every group: the path under test
         f"+actor_rollout_ref.rollout.engine_kwargs.vllm.corrupt_routing_every={CORRUPT_EVERY}",  # fault injection
         "+verl_stable.routing.on_invalid=skip_sample",
         "trainer.v1.trainer_mode=stable_sync",

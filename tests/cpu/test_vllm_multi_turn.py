@@ -43,6 +43,7 @@ def vllm_multi_turn_run(tmp_path_factory):
         FP32_TRAINING,
         "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
         f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={rollout.MANAGER_FQN}",
+        "+verl_stable.routing.share_prompt_rows_min_bytes=0",  # share every group: the path under test
         "trainer.v1.trainer_mode=stable_sync",
     ]
     proc = launch.run_main_ppo(overrides, tmp / "run", timeout_s=1200)

@@ -42,6 +42,7 @@ def vllm_partial_run(tmp_path_factory):
         FP32_TRAINING,
         "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
         f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={rollout.MANAGER_FQN}",
+        "+verl_stable.routing.share_prompt_rows_min_bytes=0",  # share every group: the path under test
         "trainer.v1.trainer_mode=stable_colocate_async",
         # steps 2 and 3 train on samples drawn (mostly) by the previous weights: KL(mu || pi_old) holds that lag
         "+stable.guard.rules.train_inference_kl.action=warn",

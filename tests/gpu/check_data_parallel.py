@@ -273,6 +273,7 @@ def run_overrides(
         'trainer.logger=["file"]',
         f"trainer.n_gpus_per_node={dp}",
         f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={rollout.MANAGER_FQN}",  # compact, seeded
+        "+verl_stable.routing.share_prompt_rows_min_bytes=0",  # share every group: the path under test
         "trainer.balance_batch=True",
         "actor_rollout_ref.actor.use_dynamic_bsz=True",
     ]

@@ -37,6 +37,7 @@ def runs(tmp_path_factory):
             f"ray_kwargs.ray_init.num_gpus={dp}",  # one fake GPU per actor rank and rollout replica
             "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
             f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={rollout.MANAGER_FQN}",
+            "+verl_stable.routing.share_prompt_rows_min_bytes=0",  # share every group: the path under test
             "trainer.v1.trainer_mode=stable_sync",
             "trainer.balance_batch=True",
             "actor_rollout_ref.actor.use_dynamic_bsz=True",

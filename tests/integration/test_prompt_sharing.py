@@ -456,6 +456,14 @@ def test_switch_off_keeps_every_row_with_its_sample():
         rollout.RolloutRoutingOptions.from_config(
             OmegaConf.create({"verl_stable": {"routing": {"share_prompt_rows": "no"}}})
         )
+    assert rollout.RolloutRoutingOptions().share_prompt_rows_min_bytes == rollout.DEFAULT_SHARE_MIN_BYTES == 1 << 21
+    section = {"verl_stable": {"routing": {"share_prompt_rows_min_bytes": 0}}}
+    assert rollout.RolloutRoutingOptions.from_config(OmegaConf.create(section)).share_prompt_rows_min_bytes == 0
+    for bad in (-1, True, 0.5, "1MB"):
+        with pytest.raises(ValueError, match=r"share_prompt_rows_min_bytes must be an int >= 0 \(bytes\), got"):
+            rollout.RolloutRoutingOptions.from_config(
+                OmegaConf.create({"verl_stable": {"routing": {"share_prompt_rows_min_bytes": bad}}})
+            )
     worker, store = _worker(n=3, options=options)
     asyncio.run(worker._run_prompt(_prompt("u0"), {}, {"validate": False}))
     assert store.side_entries() == {} and set(store.data) == {"train"}
@@ -479,10 +487,11 @@ def _worker(n: int, options: rollout.RolloutRoutingOptions | None = None, differ
     worker.reward_loop_worker_handles, worker.distillation_enabled, worker.processor = None, False, None
     worker.stable_routing_enabled = True
     worker.stable_routing_layout = LAYOUT
-    worker.stable_routing_options = options or rollout.RolloutRoutingOptions()
+    # these groups' prompt rows are a few hundred bytes: share them whatever they save unless a test says otherwise
+    worker.stable_routing_options = options or rollout.RolloutRoutingOptions(share_prompt_rows_min_bytes=0)
     worker.stable_routing_stats = BoundaryStats()
-    worker.stable_prompt_sharing = rollout.PromptRowSharing()
-    worker.stable_prompt_puts = {}
+    worker.stable_prompt_sharing = rollout.PromptRowSharing(worker.stable_routing_options.share_prompt_rows_min_bytes)
+    worker.stable_prompt_puts, worker.stable_group_sizes, worker.stable_put_side_entries = {}, {}, False
     rng = np.random.default_rng(7)
     outputs = group_outputs(rng, 6, [4, 2, 5, 3, 2, 3, 4, 2][:n], differ=differ)
     worker.reference = [o.model_copy(deep=True).as_dict()["routed_experts"] for o in outputs]
@@ -524,7 +533,7 @@ def test_real_worker_puts_one_side_entry_per_group_before_its_samples():
     first_sample = next(i for i, (p, k) in enumerate(order) if p == "train" and k != "u0")
     assert order.index((rollout.PROMPT_PARTITION, next(iter(side)))) < first_sample
     assert store.data["train"]["u0"][1]["status"] == "finished"
-    assert len(worker.stable_prompt_sharing) == 0 and worker.stable_prompt_puts == {}  # nothing kept after
+    assert len(worker.stable_prompt_sharing) == 0 and worker.stable_prompt_puts == worker.stable_group_sizes == {}
     keys = [f"u0_{i}_0" for i in range(4)]
     batch = store.kv_batch_get(keys, "train")
     assert [int(r[0]) for r in batch[rollout.PROMPT_REF_FIELD].unbind()] == [6, 6, 0, 6]
@@ -533,6 +542,39 @@ def test_real_worker_puts_one_side_entry_per_group_before_its_samples():
     assert rollout.expand_compact_routing(batch, LAYOUT, kv_batch_get=store.kv_batch_get)
     for got, ref in zip(batch["routed_experts"].unbind(), worker.reference, strict=True):
         assert torch.equal(got, ref)
+
+
+def test_a_group_shares_its_prompt_rows_only_when_that_saves_the_minimum_bytes():
+    """Saved bytes = (n - 1) x the prompt rows' bytes; at the minimum the group shares, one byte below it every
+    sample keeps its rows, puts no side entry, and still replays exactly."""
+    n, prompt_rows = 4, 6  # group_outputs' prompts: 6 routed rows
+    saved = (n - 1) * prompt_rows * LAYOUT.num_moe_layers * LAYOUT.top_k  # uint8 ids
+    for minimum, shared in ((saved, True), (saved + 1, False)):
+        worker, store = _worker(n=n, options=rollout.RolloutRoutingOptions(share_prompt_rows_min_bytes=minimum))
+        asyncio.run(worker._run_prompt(_prompt("u0"), {}, {"validate": False}))
+        keys = [f"u0_{i}_0" for i in range(n)]
+        batch = store.kv_batch_get(keys, "train")
+        refs = [int(r[0]) for r in batch[rollout.PROMPT_REF_FIELD].unbind()]
+        assert refs == ([prompt_rows] * n if shared else [0] * n), (minimum, refs)
+        assert len(store.side_entries()) == int(shared) and worker.stable_put_side_entries == shared
+        m = rollout.transport_metrics(batch[rollout.BOUNDARY_FIELD])
+        assert m[f"{PREFIX}prompt_groups_shared"] == float(shared)
+        assert m[f"{PREFIX}prompt_rows_deduplicated"] == (saved // (LAYOUT.num_moe_layers * LAYOUT.top_k)) * shared
+        assert rollout.expand_compact_routing(batch, LAYOUT, kv_batch_get=store.kv_batch_get if shared else None)
+        for got, ref in zip(batch["routed_experts"].unbind(), worker.reference, strict=True):
+            assert torch.equal(got, ref)
+
+
+def test_sharing_with_a_minimum_needs_the_group_size():
+    ids = torch.zeros(8, LAYOUT.num_moe_layers, LAYOUT.top_k, dtype=torch.uint8)
+    sharing = rollout.PromptRowSharing(min_saved_bytes=1)
+    with pytest.raises(ValueError, match="needs the group's size, got None"):
+        sharing.decide(ids, start=0, prompt_len=4, uid="u", partition="train")
+    assert sharing.saved_bytes(ids, 4, 3) == 2 * 4 * LAYOUT.num_moe_layers * LAYOUT.top_k
+    assert rollout.PromptRowSharing().decide(ids, start=0, prompt_len=4, uid="u", partition="train").shared_rows == 4
+    for bad in (-1, True, 1.5, "1"):
+        with pytest.raises(ValueError, match="min_saved_bytes must be an int >= 0"):
+            rollout.PromptRowSharing(bad)
 
 
 def test_real_worker_shares_nothing_for_a_group_of_one():
@@ -553,6 +595,7 @@ def test_real_worker_sweeps_stale_entries_alongside_the_rollout_not_before_it(mo
     worker, _ = _worker(n=2)
     verls_worker = type(worker).__mro__[1]  # verl's AgentLoopWorkerTQ, as the worker's class resolved it
     worker.stable_stale_sweep, worker.stable_clearing = rollout.StaleSweep(), None
+    worker.stable_put_side_entries = True  # as after this worker's first side entry
     events: list[str] = []
     release = asyncio.Event()
 
@@ -594,6 +637,40 @@ def test_real_worker_sweeps_stale_entries_alongside_the_rollout_not_before_it(mo
         "sweep done",
     ]  # the rollouts do not wait for the sweep, and b2 started none while b1's was pending
     assert "clearing shared prompt rows failed: store unreachable" in caplog.text
+
+
+def test_a_worker_sweeps_only_once_it_has_put_a_side_entry(monkeypatch):
+    """Every worker that put a side entry sweeps at each later dispatch; one whose groups all kept their rows
+    (below ``share_prompt_rows_min_bytes``) has nothing of its own to clear and lists nothing."""
+    from verl_stable.integration.rollout import agent_loop
+
+    sweeps: list[int] = []
+
+    async def sweep(sweep=None):
+        sweeps.append(1)
+        return 0
+
+    async def rollout_of(self, batch):
+        await self._run_prompt(_prompt(batch), {}, {"validate": False})
+
+    worker, store = _worker(n=3, options=rollout.RolloutRoutingOptions())  # default minimum: 2 MiB
+    worker.stable_stale_sweep, worker.stable_clearing = rollout.StaleSweep(), None
+    monkeypatch.setattr(agent_loop, "async_clear_stale_prompt_rows", sweep)
+    monkeypatch.setattr(type(worker).__mro__[1], "generate_sequences", rollout_of)
+
+    async def dispatch(uid):
+        await worker.generate_sequences(uid)
+        if worker.stable_clearing is not None:
+            await worker.stable_clearing
+
+    asyncio.run(dispatch("u0"))
+    asyncio.run(dispatch("u1"))
+    assert sweeps == [] and store.side_entries() == {} and not worker.stable_put_side_entries
+    worker.stable_prompt_sharing = rollout.PromptRowSharing(0)  # the next groups are worth sharing
+    asyncio.run(dispatch("u2"))
+    assert sweeps == [] and len(store.side_entries()) == 1 and worker.stable_put_side_entries
+    asyncio.run(dispatch("u3"))
+    assert sweeps == [1]
 
 
 def test_stable_trainers_leave_the_sweep_to_the_workers_and_clear_what_is_left_after_training(tmp_path, monkeypatch):

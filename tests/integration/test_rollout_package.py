@@ -98,14 +98,19 @@ def test_wider_side_entry_is_validated_before_it_is_narrowed():
 def test_unknown_routing_options_are_refused_by_name():
     cfg = OmegaConf.create({"verl_stable": {"routing": {"share_prompt_row": False, "on_invalid": "raise"}}})
     with pytest.raises(
-        ValueError, match=r"unknown key\(s\) share_prompt_row; known keys: on_invalid, share_prompt_rows"
+        ValueError,
+        match=r"unknown key\(s\) share_prompt_row; known keys: on_invalid, share_prompt_rows, share_prompt_rows_min_bytes$",
     ):
         rollout.RolloutRoutingOptions.from_config(cfg)
     with pytest.raises(ValueError, match="verl_stable.routing must be a mapping"):
         rollout.RolloutRoutingOptions.from_config({"verl_stable": {"routing": "skip_sample"}})
-    known = {"verl_stable": {"routing": {"on_invalid": "skip_sample", "share_prompt_rows": False}}}
+    known = {
+        "verl_stable": {
+            "routing": {"on_invalid": "skip_sample", "share_prompt_rows": False, "share_prompt_rows_min_bytes": 4096}
+        }
+    }
     assert rollout.RolloutRoutingOptions.from_config(OmegaConf.create(known)) == rollout.RolloutRoutingOptions(
-        on_invalid="skip_sample", share_prompt_rows=False
+        on_invalid="skip_sample", share_prompt_rows=False, share_prompt_rows_min_bytes=4096
     )
 
 

@@ -284,7 +284,11 @@ def test_manager_resolves_by_fqn_and_worker_postprocess_puts_compact_fields(monk
     worker.stable_routing_enabled = True
     worker.stable_routing_layout, worker.stable_routing_options = LAYOUT, rollout.RolloutRoutingOptions()
     worker.stable_routing_stats = BoundaryStats()
-    worker.stable_prompt_sharing, worker.stable_prompt_puts = rollout.PromptRowSharing(), {}
+    worker.stable_prompt_sharing, worker.stable_prompt_puts, worker.stable_group_sizes = (
+        rollout.PromptRowSharing(),
+        {},
+        {},
+    )
     put = {}
 
     async def capture(keys, fields, tags, partition_id):  # TransferQueue's put, the only stand-in
@@ -328,6 +332,7 @@ def test_e2e_r3_actors_receive_the_compact_form_and_replay_it(tmp_path):
         "actor_rollout_ref.actor.ppo_mini_batch_size=2",  # two update mini-steps per step
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",  # two micro-batches per mini-step
         f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={rollout.MANAGER_FQN}",
+        "+verl_stable.routing.share_prompt_rows_min_bytes=0",  # share every group: the path under test
         "trainer.v1.trainer_mode=stable_sync",  # logs stable/routing/transport/* and clears the side entries
     ]
     proc = launch.run_main_ppo(overrides, tmp_path / "run", timeout_s=1500)

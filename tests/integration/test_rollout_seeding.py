@@ -170,7 +170,11 @@ def _worker(n: int, run_seed: int, trainer_mode: str = "sync"):
     worker.reward_loop_worker_handles, worker.distillation_enabled, worker.processor = None, False, None
     worker.stable_routing_enabled = False
     worker.stable_routing_options = rollout.RolloutRoutingOptions()
-    worker.stable_prompt_sharing, worker.stable_prompt_puts = rollout.PromptRowSharing(), {}
+    worker.stable_prompt_sharing, worker.stable_prompt_puts, worker.stable_group_sizes = (
+        rollout.PromptRowSharing(),
+        {},
+        {},
+    )
     worker.stable_seeding = RolloutSeeding(run_seed, ordered_puts=trainer_mode in ORDERED_PUT_MODES)
     return worker
 

@@ -182,6 +182,7 @@ def run(tmp_path_factory):
             "ray_kwargs.ray_init.num_gpus=null",
             "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
             f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={rollout.MANAGER_FQN}",
+            "+verl_stable.routing.share_prompt_rows_min_bytes=0",  # share every group: the path under test
             "trainer.v1.trainer_mode=stable_sync",
             # each rank gets half the batch: micro-batches by token budget, as in the dp = 2 single-node test
             "trainer.balance_batch=True",

@@ -70,6 +70,7 @@ def test_check_accepts_keys_verl_or_verl_stable_define():
             "+actor_rollout_ref.rollout.agent.agent_loop_manager_class=a.B",  # a dataclass field verl's YAML omits
             "+actor_rollout_ref.rollout.engine_kwargs.hf.precision=fp8",
             "+verl_stable.routing.share_prompt_rows=false",
+            "+verl_stable.routing.share_prompt_rows_min_bytes=0",
         ]
     )
     assert (rc, lines) == (0, ["fsdp/minirl_onpolicy: OK"])
@@ -79,6 +80,10 @@ def test_check_accepts_keys_verl_or_verl_stable_define():
     ("overrides", "expected"),
     [
         (["+verl_stable.routing.on_invalid=bogus"], "verl_stable.routing.on_invalid must be one of"),
+        (
+            ["+verl_stable.routing.share_prompt_rows_min_bytes=-1"],
+            "verl_stable.routing.share_prompt_rows_min_bytes must be an int >= 0 (bytes), got -1",
+        ),
         (
             ["actor_rollout_ref.rollout.name=hf", "+actor_rollout_ref.rollout.engine_kwargs.hf.precision=fp9"],
             "hf rollout backend: unknown rollout precision 'fp9'; expected one of",

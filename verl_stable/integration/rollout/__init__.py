@@ -48,6 +48,7 @@ from verl_stable.integration.rollout.boundary import (
     transport_metrics,
 )
 from verl_stable.integration.rollout.config import (
+    DEFAULT_SHARE_MIN_BYTES,
     MANAGER_CONFIG_KEY,
     MANAGER_FQN,
     RolloutRoutingOptions,
@@ -79,6 +80,7 @@ __all__ = [  # noqa: F822 - the names of _LAZY are resolved by the module __geta
     "BOUNDARY_ERRORS",
     "BOUNDARY_FIELD",
     "COMPACT_FIELDS",
+    "DEFAULT_SHARE_MIN_BYTES",
     "MANAGER_CONFIG_KEY",
     "MANAGER_FQN",
     "PROMPT_PARTITION",

@@ -100,6 +100,7 @@ def compact_agent_loop_output(
     sharing: PromptRowSharing | None = None,
     uid: str | None = None,
     partition: str = "train",
+    group_size: int | None = None,
 ) -> Any:
     """An ``AgentLoopOutput`` whose ``as_dict`` emits the compact fields instead of verl's int16 ``routed_experts``.
 
@@ -110,7 +111,8 @@ def compact_agent_loop_output(
     :data:`PROMPT_REF_FIELD`; with the group's ``uid`` too its prompt rows may be shared: its :data:`IDS_FIELD` then
     holds only the rows after them (:data:`SPAN_FIELD` still covers the whole span), and ``output.shared_prompt`` is
     the side entry to put before the sample when this sample is the group's first (``None`` otherwise).
-    ``uid=None``: never shared (a group of one), the field is zero.
+    ``uid=None``: never shared (a group of one), the field is zero. ``group_size`` (the group's ``rollout.n``)
+    decides with ``sharing.min_saved_bytes`` whether the group's prompt rows are worth a side entry.
     """
     sample_stats = BoundaryStats()
     try:
@@ -139,7 +141,13 @@ def compact_agent_loop_output(
         fields, share = sample_fields(rows, layout), None
     else:
         fields, share = shared_sample_fields(
-            rows, layout, sharing, prompt_len=len(output.prompt_ids), uid=uid, partition=partition
+            rows,
+            layout,
+            sharing,
+            prompt_len=len(output.prompt_ids),
+            uid=uid,
+            partition=partition,
+            group_size=group_size,
         )
     fields[BOUNDARY_FIELD] = boundary_counters(
         fields, seq_len=seq_len, layout=layout, sample_stats=sample_stats, share=share
@@ -171,11 +179,14 @@ class CompactRoutingAgentLoopWorkerTQ(AgentLoopWorkerTQ.__ray_actor_class__):
         self.stable_routing_layout = (
             layout_from_config(self.model_config.hf_config) if self.stable_routing_enabled else None
         )
-        self.stable_prompt_sharing = PromptRowSharing()
+        self.stable_prompt_sharing = PromptRowSharing(self.stable_routing_options.share_prompt_rows_min_bytes)
         self.stable_stale_sweep = StaleSweep()
+        # set at this worker's first side entry: a worker that never put one has nothing of its own to sweep
+        self.stable_put_side_entries = False
         self.stable_clearing: asyncio.Future | None = None  # the sweep of the last dispatch, while it runs
         # uid -> side-entry key -> its put; in-flight groups of more than one sample only
         self.stable_prompt_puts: dict[str, dict[str, asyncio.Future]] = {}
+        self.stable_group_sizes: dict[str, int] = {}  # uid -> its samples (rollout.n), same groups
         mode = OmegaConf.select(self.config, TRAINER_MODE_KEY, default="sync")
         self.stable_seeding = RolloutSeeding(self.rollout_config.seed, ordered_puts=mode in ORDERED_PUT_MODES)
 
@@ -192,6 +203,7 @@ class CompactRoutingAgentLoopWorkerTQ(AgentLoopWorkerTQ.__ray_actor_class__):
             sharing=self.stable_prompt_sharing,
             uid=uid if uid in self.stable_prompt_puts else None,  # a group of one shares nothing
             partition=partition,
+            group_size=self.stable_group_sizes.get(uid),
         )
 
     async def _stable_put_shared(self, outputs: list[Any], uid: str) -> None:
@@ -205,6 +217,7 @@ class CompactRoutingAgentLoopWorkerTQ(AgentLoopWorkerTQ.__ray_actor_class__):
             side = output.shared_prompt
             if side is not None and side.key not in puts:
                 fields = TensorDict({IDS_FIELD: side.ids.unsqueeze(0)}, batch_size=[1])
+                self.stable_put_side_entries = True
                 puts[side.key] = asyncio.ensure_future(
                     tq.async_kv_put(key=side.key, partition_id=PROMPT_PARTITION, fields=fields, tag=side.tag)
                 )
@@ -217,10 +230,12 @@ class CompactRoutingAgentLoopWorkerTQ(AgentLoopWorkerTQ.__ray_actor_class__):
                 await asyncio.shield(puts[key])
 
     async def generate_sequences(self, batch: Any) -> None:
-        if self.stable_routing_enabled and self.stable_routing_options.share_prompt_rows:
+        if self.stable_routing_enabled and self.stable_put_side_entries:
             # a new dispatch follows verl's clearing of finished groups: drop their shared prompt rows (any
             # trainer class; the stable_* trainers sweep once more after training). Alongside the rollout, not
-            # before it: nothing of this dispatch waits for housekeeping (one sweep at a time).
+            # before it: nothing of this dispatch waits for housekeeping (one sweep at a time). Every worker that
+            # put a side entry sweeps at each later dispatch, so one that never put any (all its groups below
+            # share_prompt_rows_min_bytes) leaves nothing behind by skipping its own listing.
             if self.stable_clearing is None or self.stable_clearing.done():
                 self.stable_clearing = asyncio.ensure_future(self._stable_clear_stale())
         return await super().generate_sequences(batch)
@@ -270,6 +285,7 @@ class CompactRoutingAgentLoopWorkerTQ(AgentLoopWorkerTQ.__ray_actor_class__):
         n = int(prompt.get("__rollout_n__", rollout.val_kwargs.n if trajectory["validate"] else rollout.n))
         if self.stable_routing_enabled and n > 1:
             self.stable_prompt_puts[uid] = {}
+            self.stable_group_sizes[uid] = n
         occurrence = prompt.pop(OCCURRENCE_FIELD, None)  # the manager's numbering; not a dataset field
         if self.stable_seeding is not None:
             # before the first await: groups start in batch order, so occurrences and tickets follow the batch
@@ -288,6 +304,7 @@ class CompactRoutingAgentLoopWorkerTQ(AgentLoopWorkerTQ.__ray_actor_class__):
             # every session of the group has settled (verl's contract): forget it
             self.stable_prompt_sharing.forget(uid)
             self.stable_prompt_puts.pop(uid, None)
+            self.stable_group_sizes.pop(uid, None)
             if self.stable_seeding is not None:
                 self.stable_seeding.finish(uid)  # samples that never reached a put must not block later groups
 

@@ -17,6 +17,7 @@ from verl_stable.routing.codecs import ON_INVALID
 
 __all__ = [
     "DEFAULT_OPTIONS",
+    "DEFAULT_SHARE_MIN_BYTES",
     "MANAGER_CONFIG_KEY",
     "MANAGER_FQN",
     "OPTIONS_SECTION",
@@ -28,6 +29,9 @@ MANAGER_FQN = "verl_stable.integration.rollout.CompactRoutingAgentLoopManagerTQ"
 """The dotted path recipes name; the package resolves it lazily (see :mod:`verl_stable.integration.rollout`)."""
 MANAGER_CONFIG_KEY = "actor_rollout_ref.rollout.agent.agent_loop_manager_class"
 OPTIONS_SECTION = "verl_stable.routing"
+DEFAULT_SHARE_MIN_BYTES = 1 << 21
+"""Default ``share_prompt_rows_min_bytes`` (2 MiB): below what the bytes a shared group saves are worth its side
+entry's round trips, measured on TransferQueue's SimpleStorage (docs/benchmarks.md, "Side entries: break-even")."""
 
 
 def uses_compact_routing(config: Any) -> bool:
@@ -50,14 +54,24 @@ class RolloutRoutingOptions:
             count it in ``stable/routing/*`` and log a warning).
         share_prompt_rows: store the prompt rows once per group in the side partition (default on;
             ``+verl_stable.routing.share_prompt_rows=false`` keeps them with every sample).
+        share_prompt_rows_min_bytes: share a group's prompt rows only when that saves at least this many bytes,
+            ``(n - 1) x`` the group's prompt rows (default :data:`DEFAULT_SHARE_MIN_BYTES`; 0 shares every group
+            of more than one sample). Below it a side entry costs more than it saves: one TransferQueue put and a
+            share of one read cost what ~2 MB of rows cost to move (``benchmarks/bench_side_entry_cost.py``).
     """
 
     on_invalid: str = "raise"
     share_prompt_rows: bool = True
+    share_prompt_rows_min_bytes: int = DEFAULT_SHARE_MIN_BYTES
 
     def __post_init__(self) -> None:
         if self.on_invalid not in ON_INVALID:
             raise ValueError(f"{OPTIONS_SECTION}.on_invalid must be one of {ON_INVALID}, got {self.on_invalid!r}")
+        minimum = self.share_prompt_rows_min_bytes
+        if isinstance(minimum, bool) or not isinstance(minimum, int) or minimum < 0:
+            raise ValueError(
+                f"{OPTIONS_SECTION}.share_prompt_rows_min_bytes must be an int >= 0 (bytes), got {minimum!r}"
+            )
 
     @classmethod
     def from_config(cls, config: Any) -> RolloutRoutingOptions:
@@ -82,7 +96,11 @@ class RolloutRoutingOptions:
         share = routing.get("share_prompt_rows", True)
         if not isinstance(share, bool):
             raise ValueError(f"{OPTIONS_SECTION}.share_prompt_rows must be true or false, got {share!r}")
-        return cls(on_invalid=str(routing.get("on_invalid", "raise")), share_prompt_rows=share)
+        return cls(
+            on_invalid=str(routing.get("on_invalid", "raise")),
+            share_prompt_rows=share,
+            share_prompt_rows_min_bytes=routing.get("share_prompt_rows_min_bytes", DEFAULT_SHARE_MIN_BYTES),
+        )
 
 
 DEFAULT_OPTIONS = RolloutRoutingOptions()

@@ -7,13 +7,14 @@ mini-batches. So the group's shared copy of its prompt rows is a TransferQueue e
 not a sample. This module owns every step of its life (``+verl_stable.routing.share_prompt_rows``, default true;
 ``false`` keeps every row with its sample):
 
-1. worker (:class:`PromptRowSharing`, :func:`shared_sample_fields`): the first finished sample of a group (more than
-   one sample) puts its validated prompt rows ``[start, prompt_len)`` into :data:`PROMPT_PARTITION` (verl's trainer
-   samples only ``train`` / ``val``), under a 128-bit key of the uid, partition, start and the rows' bytes
-   (:func:`prompt_rows_key`), before its own row. A sibling whose prompt rows are identical stores only its later
-   rows plus :data:`PROMPT_REF_FIELD` (24 bytes) and waits for that put; a sibling whose rows differ (an engine may
-   route the same prompt differently across requests) keeps all its rows and is counted. The per-worker cache holds
-   in-flight groups only;
+1. worker (:class:`PromptRowSharing`, :func:`shared_sample_fields`): a group of ``n > 1`` samples shares its prompt
+   rows when that saves at least ``share_prompt_rows_min_bytes`` (``(n - 1) x`` the rows' bytes; default 2 MiB, 0
+   shares every group). Its first finished sample puts its validated prompt rows ``[start, prompt_len)`` into
+   :data:`PROMPT_PARTITION` (verl's trainer samples only ``train`` / ``val``), under a 128-bit key of the uid,
+   partition, start and the rows' bytes (:func:`prompt_rows_key`), before its own row. A sibling whose prompt rows
+   are identical stores only its later rows plus :data:`PROMPT_REF_FIELD` (24 bytes) and waits for that put; a
+   sibling whose rows differ (an engine may route the same prompt differently across requests) keeps all its rows and
+   is counted. The per-worker cache holds in-flight groups only;
 2. actor (:func:`attach_shared_prompt_rows`): one ``kv_batch_get`` of the (mini-)batch's distinct entries puts the
    prompt rows back in front of each sample's own rows. A missing or misshapen entry raises
    :class:`SharedPromptRowsError`; rows that arrive in another dtype than the sample's are validated (against the
@@ -36,12 +37,17 @@ key exists, so clearing by "no key of the group left" never removes an entry a l
 
 Bytes per real token on this path (Qwen3-30B-A3B shape, batch builder of ``benchmarks/bench_routing_transport.py``,
 fields + counters; verl V1 stores 768): responses up to 4k, prompts up to 1k: 384 per sample vs 314 per group for
-n = 8 (1.22x), 287 for n = 16 (1.34x); prompts up to 4k: 213 (n = 8, 1.80x) and 171 (n = 16, 2.25x).
+n = 8 (1.22x), 287 for n = 16 (1.34x); prompts up to 4k: 213 (n = 8, 1.80x) and 171 (n = 16, 2.25x), every group
+shared (``--share-min-bytes 0``); with the default minimum, groups of prompts under 781 tokens (n = 8) keep their rows:
+358 per group at n = 8 with prompts up to 1k (1.07x).
 :class:`~verl_stable.routing.transport.PackedRouting` deduplicates the same way where a whole batch travels as one
 object. The price is round trips: one put per group (awaited by its other samples), one read per actor rank and step,
-the sweep's listing per dispatch. Where prompt rows are small they cost more than the bytes they save (the tiny CPU
-model of ``benchmarks/bench_dp_overhead.py``: 1.5 KB saved per step, 1.06x vs 1.02x of plain GRPO's step time with
-and without sharing, docs/benchmarks.md); ``share_prompt_rows=false`` is then the faster setting.
+the sweep's listing per dispatch. Where prompt rows are small they cost more than the bytes they save: on the tiny CPU
+model of ``benchmarks/bench_dp_overhead.py`` (groups save a few hundred bytes) sharing every group cost 1.06x of plain
+GRPO's step time against 1.02x without (docs/benchmarks.md). ``benchmarks/bench_side_entry_cost.py`` measures the
+break-even on TransferQueue (fixed cost of a put and a read against the cost per byte they move); the default
+minimum is that break-even, rounded down to a power of two, so a group below it keeps its rows, puts nothing and
+costs no round trip, and a worker that put no side entry skips the sweep.
 
 No verl import; TransferQueue is imported only when no reader / writer is passed.
 """
@@ -180,19 +186,59 @@ class PromptRowSharing:
     are identical refers to them. A sibling whose rows differ (an engine may route the same prompt differently
     across requests) keeps its own rows: a sample never replays another sample's routing.
     :meth:`forget` drops a group when its sessions have settled, so the cache holds in-flight groups only.
+
+    A group is shared only when that saves at least ``min_saved_bytes``: ``(group_size - 1) x`` the bytes of its
+    prompt rows. The test depends only on the group's size and the rows' shape and dtype, so every sample of a group
+    decides alike without waiting for a sibling; a group below it keeps its rows with every sample and costs no
+    TransferQueue round trip.
+
+    Args:
+        min_saved_bytes: ``share_prompt_rows_min_bytes`` (0: share every group of more than one sample).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, min_saved_bytes: int = 0) -> None:
+        if isinstance(min_saved_bytes, bool) or not isinstance(min_saved_bytes, int) or min_saved_bytes < 0:
+            raise ValueError(f"min_saved_bytes must be an int >= 0, got {min_saved_bytes!r}")
+        self.min_saved_bytes = min_saved_bytes
         self._stored: dict[tuple[str, str], dict[tuple[int, int], tuple[str, torch.Tensor]]] = {}
 
     def __len__(self) -> int:
         return len(self._stored)
 
-    def decide(self, ids: torch.Tensor, *, start: int, prompt_len: int, uid: str, partition: str) -> ShareDecision:
-        """Split decision for one sample's validated MoE rows ``ids`` covering ``[start, start + len(ids))``."""
+    def saved_bytes(self, ids: torch.Tensor, split: int, group_size: int) -> int:
+        """Bytes a group of ``group_size`` saves by storing ``split`` rows like ``ids``'s once instead of per sample."""
+        return (group_size - 1) * split * (ids[:1].numel() * ids.element_size())
+
+    def decide(
+        self,
+        ids: torch.Tensor,
+        *,
+        start: int,
+        prompt_len: int,
+        uid: str,
+        partition: str,
+        group_size: int | None = None,
+    ) -> ShareDecision:
+        """Split decision for one sample's validated MoE rows ``ids`` covering ``[start, start + len(ids))``.
+
+        Args:
+            group_size: samples of the group (verl's ``rollout.n`` of this prompt); required when
+                ``min_saved_bytes > 0``.
+
+        Raises:
+            ValueError: ``group_size`` missing or < 1 while a minimum is set.
+        """
         split = min(max(int(prompt_len) - int(start), 0), int(ids.shape[0]))
         if split == 0:
             return ShareDecision(prompt_ref(None, 0))
+        if self.min_saved_bytes:
+            if group_size is None or int(group_size) < 1:
+                raise ValueError(
+                    f"group {uid}: sharing prompt rows above {self.min_saved_bytes} saved bytes needs the group's "
+                    f"size, got {group_size!r}"
+                )
+            if self.saved_bytes(ids, split, int(group_size)) < self.min_saved_bytes:
+                return ShareDecision(prompt_ref(None, 0))
         prompt = ids[:split]
         group = self._stored.setdefault((partition, str(uid)), {})
         stored = group.get((int(start), split))
@@ -221,16 +267,25 @@ def shared_sample_fields(
     prompt_len: int,
     uid: str | None,
     partition: str = "train",
+    group_size: int | None = None,
 ) -> tuple[dict[str, torch.Tensor], ShareDecision]:
     """:func:`~verl_stable.routing.transport.sample_fields` plus :data:`PROMPT_REF_FIELD`, prompt rows shared.
 
     When the sample shares its group's prompt rows, :data:`IDS_FIELD` keeps only the rows after them and
-    :data:`SPAN_FIELD` still covers the whole span. ``uid=None``: never shared (zero reference).
+    :data:`SPAN_FIELD` still covers the whole span. ``uid=None``: never shared (zero reference). ``group_size``:
+    see :meth:`PromptRowSharing.decide`.
     """
     fields = sample_fields(rows, layout)
     share = ShareDecision(prompt_ref(None, 0))
     if uid is not None and rows is not None and rows.num_rows:
-        share = sharing.decide(fields[IDS_FIELD], start=rows.start, prompt_len=prompt_len, uid=uid, partition=partition)
+        share = sharing.decide(
+            fields[IDS_FIELD],
+            start=rows.start,
+            prompt_len=prompt_len,
+            uid=uid,
+            partition=partition,
+            group_size=group_size,
+        )
         if share.shared_rows:
             fields[IDS_FIELD] = fields[IDS_FIELD][share.shared_rows :].clone()
     fields[PROMPT_REF_FIELD] = share.ref
