@@ -38,7 +38,6 @@ def vllm_partial_run(tmp_path_factory):
         max_response_length=64,
     )
     overrides += [
-        f"trainer.default_local_dir={tmp / 'checkpoints'}",
         FP32_TRAINING,
         "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
         f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={rollout.MANAGER_FQN}",
@@ -47,10 +46,19 @@ def vllm_partial_run(tmp_path_factory):
         # steps 2 and 3 train on samples drawn (mostly) by the previous weights: KL(mu || pi_old) holds that lag
         "+stable.guard.rules.train_inference_kl.action=warn",
     ]
-    proc = launch.run_main_ppo(overrides, tmp / "run", timeout_s=1500)
-    log = (tmp / "run" / "main_ppo.log").read_text(errors="ignore")
-    assert proc.returncode == 0, log[-4000:]
-    return launch.read_metrics(tmp / "run" / "metrics.jsonl")
+    for attempt in range(2):
+        run_dir = tmp / f"run{attempt}"
+        proc = launch.run_main_ppo(
+            [*overrides, f"trainer.default_local_dir={run_dir / 'ckpt'}"], run_dir, timeout_s=1500
+        )
+        log = (run_dir / "main_ppo.log").read_text(errors="ignore")
+        assert proc.returncode == 0, log[-4000:]
+        rows = launch.read_metrics(run_dir / "metrics.jsonl")
+        # whether a sample is still running at the weight update is the host's timing: one CI run (two test workers
+        # on 2 cores) finished every sample first; a second run gives the scenario under test another chance
+        if max(r.get("training/off_policy/trajectory_spans/max", 0) for r in rows[1:]) >= 2:
+            break
+    return rows
 
 
 @pytest.mark.e2e
