@@ -15,7 +15,7 @@ setup(
     # torch is deliberately not listed: install the right build (CPU or CUDA) first, see README.
     install_requires=["verl==0.9.1"],
     extras_require={
-        "cpu": ["transformers>=5.9,<5.11", "tokenizers", "matplotlib", "tqdm"],
+        "cpu": ["transformers>=5.9,<5.11", "tokenizers", "matplotlib", "tqdm", "filelock"],
         "test": ["pytest", "pytest-asyncio", "hypothesis"],
     },
     entry_points={

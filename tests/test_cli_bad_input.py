@@ -247,3 +247,48 @@ def test_run_refuses_a_workdir_below_a_file_or_unwritable(tmp_path, no_work, cap
     monkeypatch.setattr(os, "access", lambda path, mode: False)
     err = _refused(["run", "--workdir", str(tmp_path / "w")], capsys)
     assert f"--workdir {tmp_path / 'w'} cannot be written: {tmp_path} is not writable by this user" in err
+
+
+# ------------------------------------------------------------------------------------------------ never truncate
+def _verl_like_main_ppo(monkeypatch, calls: list[int]):
+    """Stands in for the ``main_ppo`` subprocess, writing the run's files as it does: verl's own file logger opens
+    the metrics file named by ``VERL_FILE_LOGGER_PATH`` (mode "wb"), and the process's output goes to the log."""
+    from verl.utils.tracking import FileLogger
+
+    def fake_run(cmd, cwd, env, stdout, stderr, timeout):
+        calls.append(len(calls) + 1)
+        monkeypatch.setenv("VERL_FILE_LOGGER_PATH", env["VERL_FILE_LOGGER_PATH"])
+        logger = FileLogger("p", "e")
+        logger.log({"critic/score/mean": calls[-1] / 10}, step=1)
+        logger.finish()
+        stdout.write(f"run {calls[-1]}\n")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(trainer_process.subprocess, "run", fake_run)
+
+
+def test_a_second_run_in_a_workdir_sets_the_first_aside(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(launch, "ensure_assets", lambda *args, **kwargs: None)
+    calls: list[int] = []
+    _verl_like_main_ppo(monkeypatch, calls)
+    workdir = tmp_path / "w"
+    assert cli.main(["run", "--workdir", str(workdir), "--steps", "1"]) == 0
+    first = {n: (workdir / n).read_text() for n in ("main_ppo.log", "metrics.jsonl")}
+    assert json.loads(first["metrics.jsonl"])["data"]["critic/score/mean"] == 0.1
+    capsys.readouterr()
+    assert cli.main(["run", "--workdir", str(workdir), "--steps", "1"]) == 0
+    (aside,) = (workdir / "superseded").iterdir()
+    assert {n: (aside / n).read_text() for n in first} == first  # the first run's files, whole
+    assert json.loads((workdir / "metrics.jsonl").read_text())["data"]["critic/score/mean"] == 0.2
+    assert (workdir / "main_ppo.log").read_text() == "run 2\n"
+    captured = capsys.readouterr()
+    assert f"moved to {aside}" in captured.err  # says where the first run went
+
+
+def test_run_refuses_a_workdir_in_a_symlink_loop(tmp_path, no_work, capsys):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    for workdir in (tmp_path / "a", tmp_path / "a" / "run"):
+        err = _refused(["run", "--workdir", str(workdir)], capsys)
+        assert f"--workdir {workdir} cannot be resolved" in err and "symlink loop" in err.lower()
+        assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("verl-stable run: error: --workdir")

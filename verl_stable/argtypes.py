@@ -1,10 +1,29 @@
 """argparse types shared by the command lines (``run``, ``recipe``, ``lab``): a bad value is refused by argparse with
-exit code 2 and a message saying what was expected, before anything starts. Imports nothing from the project."""
+exit code 2 and a message saying what was expected, before anything starts; and :func:`resolve_path`, the one way
+they (and the APIs behind them) resolve a directory argument. Imports nothing from the project."""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import math
+import os
+from pathlib import Path
+
+
+def resolve_path(path: str | os.PathLike, what: str) -> Path:
+    """``path`` made absolute, every symlink resolved, as the runs will name it.
+
+    Raises:
+        ValueError: The path cannot be resolved (it runs into a symlink loop); the message starts with ``what`` (e.g.
+            ``--out``) and the path as given.
+    """
+    try:
+        return Path(path).resolve()
+    except (RuntimeError, OSError) as exc:  # a symlink loop: RuntimeError up to Python 3.12, OSError (ELOOP) after
+        loop = isinstance(exc, RuntimeError) or getattr(exc, "errno", None) == errno.ELOOP
+        why = "it runs into a symlink loop" if loop else str(exc)
+        raise ValueError(f"{what} {os.fspath(path)} cannot be resolved ({why}); expected a directory path") from None
 
 
 def positive_int(text: str) -> int:

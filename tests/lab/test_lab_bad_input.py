@@ -238,7 +238,7 @@ def test_merge_is_atomic_when_writing_fails(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         sweep.merge_rows(path, [outcome])
     assert path.read_text() == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no temporary file left behind
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".tmp"] == []  # no temporary file left behind
 
 
 def test_merge_replaces_a_remeasured_run_and_keeps_the_rest(tmp_path):
@@ -391,3 +391,127 @@ def test_an_out_below_a_file_or_unwritable_is_refused_before_any_work(tmp_path, 
     monkeypatch.setattr(os, "access", lambda path, mode: False)
     code, err = _exit_code(["--out", str(tmp_path / "lab")], capsys)
     assert code == 2 and f"--out {tmp_path / 'lab'} cannot be written: {tmp_path} is not writable by this user" in err
+
+
+# ------------------------------------------------------------------------------------------------ concurrent sweeps
+def _merge_many(path: str, variant: str, runs: int) -> None:
+    """One sweep's merges: ``runs`` runs of ``variant``, each merged on its own (as sweeps sharing --out do)."""
+    for seed in range(runs):
+        rows = [_row(variant, 1, step, seed=seed) for step in range(1, 21)]
+        sweep.merge_rows(path, [sweep.RunOutcome(sweep.RunSpec(variant, 1, seed), rows, 0, False, Path("log"))])
+
+
+def test_two_sweeps_merging_into_one_out_lose_no_row(tmp_path):
+    """Two processes read-modify-write ``out/metrics.jsonl`` at once, many times: every row of both stays."""
+    import multiprocessing
+
+    path = tmp_path / "metrics.jsonl"
+    runs = 40
+    ctx = multiprocessing.get_context("fork")  # the child needs only this module's function, already imported
+    procs = [ctx.Process(target=_merge_many, args=(str(path), v, runs)) for v in ("minirl", "vespo")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    assert [p.exitcode for p in procs] == [0, 0]
+    rows = sweep.load_rows(tmp_path)
+    for variant in ("minirl", "vespo"):
+        seeds = sorted({r["seed"] for r in rows if r["variant"] == variant})
+        assert seeds == list(range(runs)), f"{variant}: runs lost, {runs - len(seeds)} of {runs}"
+    assert len(rows) == 2 * runs * 20
+
+
+# ------------------------------------------------------------------------------------------------ typed rows
+@pytest.mark.parametrize(
+    ("bad", "expected"),
+    [
+        ({"seed": "0"}, "key 'seed' must be an integer, got the string '0'"),
+        ({"step": "2"}, "key 'step' must be an integer, got the string '2'"),
+        ({"staleness": 1.0}, "key 'staleness' must be an integer, got the float 1.0"),
+        ({"seed": True}, "key 'seed' must be an integer, got the bool True"),
+        ({"variant": 3}, "key 'variant' must be a string, got the int 3"),
+        ({"step": None}, "key 'step' must be an integer, got None"),
+    ],
+)
+def test_report_only_refuses_a_row_of_the_wrong_type(tmp_path, no_work, capsys, bad, expected):
+    """A seed "0" is not seed 0: it would join that run past the duplicate check and change its reward."""
+    out = tmp_path / "lab"
+    text = _write_rows(
+        out / "metrics.jsonl", [_row("minirl", 1, 1), _row("minirl", 1, 2), {**_row("minirl", 1, 3), **bad}]
+    )
+    assert cli.main(["--out", str(out), "--report-only"], out=lambda _: None) == 1
+    err = capsys.readouterr().err
+    assert f"{out / 'metrics.jsonl'} line 3: {expected}" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (out / "report.md").exists() and (out / "metrics.jsonl").read_text() == text
+    with pytest.raises(ValueError, match="line 3: key"):
+        sweep.check_sweep(out, sweep.PRESETS["default"])  # a sweep would merge into it: refused before any run
+
+
+def test_report_only_refuses_a_row_lacking_the_run_identity_naming_the_line(tmp_path, capsys):
+    out = tmp_path / "lab"
+    _write_rows(out / "metrics.jsonl", [_row("minirl", 1, 1), {"step": 2, "seed": 0}])
+    assert cli.main(["--out", str(out), "--report-only"], out=lambda _: None) == 1
+    assert f"{out / 'metrics.jsonl'} line 2: lacks ['variant', 'staleness']" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ paths that break
+def test_report_only_with_report_md_a_directory_gives_one_line(tmp_path, capsys):
+    out = tmp_path / "lab"
+    _write_rows(out / "metrics.jsonl", [_row("minirl", 1, 1), _row("minirl", 1, 2)])
+    (out / "report.md").mkdir()
+    assert cli.main(["--out", str(out), "--report-only"], out=lambda _: None) == 1
+    err = capsys.readouterr().err
+    assert f"cannot write the report: {out / 'report.md'} is a directory" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_sweep_whose_report_cannot_be_written_is_refused_before_any_run(tmp_path, no_work, capsys):
+    out = tmp_path / "lab"
+    (out / "report.md").mkdir(parents=True)
+    code, err = _exit_code(["--out", str(out)], capsys)
+    assert code == 2 and f"{out / 'report.md'} is a directory; expected the report file" in err
+
+
+def test_a_metrics_file_that_is_a_directory_is_refused_before_any_run(tmp_path, no_work, capsys):
+    out = tmp_path / "lab"
+    (out / "metrics.jsonl").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"metrics.jsonl is a directory; expected a JSON-lines file"):
+        sweep.check_sweep(out, sweep.PRESETS["default"])
+    assert cli.main(["--out", str(out)], out=lambda _: None) == 1
+    err = capsys.readouterr().err
+    assert f"{out / 'metrics.jsonl'} is a directory; expected a JSON-lines file" in err and "Traceback" not in err
+    assert cli.main(["--out", str(out), "--report-only"], out=lambda _: None) == 1
+    assert "is a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("report_only", [False, True])
+def test_an_out_in_a_symlink_loop_is_refused(tmp_path, no_work, capsys, report_only):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    code, err = _exit_code(["--out", str(tmp_path / "a" / "lab"), *(["--report-only"] if report_only else [])], capsys)
+    assert code == 2 and f"--out {tmp_path / 'a' / 'lab'} cannot be resolved" in err and "Traceback" not in err
+    with pytest.raises(ValueError, match="cannot be resolved"):
+        sweep.check_sweep(tmp_path / "a", sweep.PRESETS["default"])
+
+
+def test_an_attempt_that_logged_no_step_is_set_aside_too(tmp_path, monkeypatch):
+    """A run that failed before its first step left only its log and error: both are kept when it starts over."""
+    import verl_stable.cpu.launch as launch
+
+    run_dir = tmp_path / "runs" / "minirl__N1__s0"
+    run_dir.mkdir(parents=True)
+    (run_dir / "main_ppo.log").write_text("ray failed to start\n")
+    (run_dir / "error.txt").write_text("RuntimeError('ray')")
+
+    def fake_main_ppo(overrides, workdir, *, timeout_s=None, **kwargs):
+        (Path(workdir) / "main_ppo.log").write_text("second attempt\n")
+        _log_steps(Path(workdir), range(1, 3))
+        return subprocess.CompletedProcess(["main_ppo"], 0)
+
+    monkeypatch.setattr(launch, "run_main_ppo", fake_main_ppo)
+    assert sweep.run_one(["a=1"], run_dir, 2) == (0, False)
+    (aside,) = (run_dir / "superseded").iterdir()
+    assert (aside / "main_ppo.log").read_text() == "ray failed to start\n"
+    assert (aside / "error.txt").read_text() == "RuntimeError('ray')"
+    assert not (run_dir / "error.txt").exists()

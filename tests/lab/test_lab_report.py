@@ -157,6 +157,11 @@ def test_bad_rows_raise():
         R.summarize([{"variant": "minirl", "step": 1}])
     with pytest.raises(ValueError, match="duplicate step"):
         R.summarize([_row("minirl", 1, 1, 0.1), _row("minirl", 1, 1, 0.2)])
+    # a seed "0" would pass the duplicate check beside seed 0, then be merged into that run (int("0") == 0)
+    with pytest.raises(ValueError, match=r"metric row 1: key 'seed' must be an integer, got the string '0'"):
+        R.summarize([_row("minirl", 1, 1, 0.1), {**_row("minirl", 1, 1, 0.9), "seed": "0"}])
+    with pytest.raises(ValueError, match=r"metric row 0: key 'variant' must be a string, got None"):
+        R.summarize([{**_row("minirl", 1, 1, 0.1), "variant": None}])
 
 
 def test_clipping_is_judged_on_reward_not_on_the_fraction_it_clips():

@@ -6,6 +6,8 @@ turns a recipe's regime into such a run with the same N, loss and replay, and :f
 (``verl-stable run``) checks its arguments and the composed config (:func:`verl_stable.recipes.preflight`), builds the
 tiny assets (:mod:`verl_stable.cpu.assets`) if missing and runs ``main_ppo`` in a subprocess with ``VERL_PLATFORM=cpu``;
 extra ``key=value`` arguments are appended and win. Per-step metrics go to a JSON-lines file (verl's ``file`` logger).
+A second run in the same ``--workdir`` first moves the earlier run's log and metrics to ``superseded/<time>/`` (and
+says where), so nothing it measured is overwritten.
 
 Running the subprocess (environment, a Ray temporary directory of its own, start-up retries, reading the metrics back)
 is :mod:`verl_stable.cpu.trainer_process`; its names stay importable from here.
@@ -21,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from verl_stable import recipes
-from verl_stable.argtypes import positive_int, positive_seconds
+from verl_stable.argtypes import positive_int, positive_seconds, resolve_path
 from verl_stable.cpu import attention as varlen_attention
 from verl_stable.cpu import tasks, vllm_rollout
 from verl_stable.cpu.assets import Assets, AssetSpec, asset_paths, ensure_assets
@@ -293,11 +295,12 @@ def run_recipe(
 
     The arguments are checked first (:func:`verl_stable.recipes.preflight`); then the tiny assets are built under
     ``workdir/assets`` if missing; the log is ``workdir/run/main_ppo.log`` and the per-step metrics
-    ``workdir/run/metrics.jsonl``. Returns ``main_ppo``'s exit code.
+    ``workdir/run/metrics.jsonl`` (an earlier run's are moved to ``workdir/run/superseded/<time>/`` first, see
+    :func:`verl_stable.cpu.trainer_process.set_aside`). Returns ``main_ppo``'s exit code.
 
     Raises:
-        ValueError: An unknown regime or task, ``steps`` below 1, a ``workdir`` that
-            :func:`verl_stable.recipes.check_output_dir` refuses, or overrides that
+        ValueError: An unknown regime or task, ``steps`` below 1, a ``workdir`` that cannot be resolved (a symlink
+            loop) or that :func:`verl_stable.recipes.check_output_dir` refuses, or overrides that
             :func:`verl_stable.recipes.preflight` refuses; raised before anything is built or started.
     """
     recipes.check_backend_regime("fsdp", regime)
@@ -305,7 +308,7 @@ def run_recipe(
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     if task not in tasks.TASKS:
         raise ValueError(f"unknown task {task!r}; expected one of {tasks.TASKS}")
-    workdir = recipes.check_output_dir(workdir, "workdir")
+    workdir = recipes.check_output_dir(resolve_path(workdir, "workdir"), "workdir")
     path = recipes.recipe_path("fsdp", regime)
     ov = regime_overrides(regime, asset_paths(workdir / "assets"), steps=steps)
     ov += [f"trainer.default_local_dir={workdir / 'checkpoints'}", *overrides]
@@ -346,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="extra hydra overrides key=value (appended, they win)")
     args = parser.parse_intermixed_args(argv)  # overrides may come before or after the options
     try:
-        workdir = recipes.check_output_dir(args.workdir, "--workdir")
+        workdir = recipes.check_output_dir(resolve_path(args.workdir, "--workdir"), "--workdir")
     except ValueError as exc:
         parser.error(str(exc))
     assets = asset_paths(workdir / "assets")  # where they will be; nothing is built before the checks pass

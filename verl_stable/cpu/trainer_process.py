@@ -6,6 +6,9 @@ temporary directory of its own (:func:`ray_tmpdir`, passed as ``RAY_TMPDIR``), s
 machine never share Ray's session directories or sockets; a Ray node that times out while starting (an overloaded
 host) is retried. The variables it sets for verl's processes also travel in the Ray job's ``runtime_env``
 (:func:`job_env`), so that they reach every node of a cluster the run joins (``ray_kwargs.ray_init.address``).
+
+A second run in the same directory never destroys the first: :func:`set_aside` moves the earlier run's log and metrics
+(verl's file logger opens its file with mode ``"wb"``) into ``superseded/<time>/`` before the new run starts.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -101,6 +105,37 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return rows
 
 
+METRICS_NAME = "metrics.jsonl"
+SUPERSEDED = "superseded"
+
+
+def set_aside(run_dir: str | os.PathLike, names: Sequence[str]) -> Path | None:
+    """Move the files ``names`` that an earlier run left in ``run_dir`` into ``run_dir/superseded/<UTC time>/``.
+
+    What a run measured (its metrics, its log, a failure's message) is moved, never deleted or truncated, so a run
+    that starts over in the same directory (``verl-stable run``, a lab run measured again) keeps the earlier one's.
+
+    Returns:
+        The folder the files went to, or None when none of them existed.
+    """
+    run_dir = Path(run_dir)
+    files = [run_dir / n for n in names if (run_dir / n).exists() or (run_dir / n).is_symlink()]
+    if not files:
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    dest, i = run_dir / SUPERSEDED / stamp, 0
+    while True:  # exist_ok=False claims the folder, so two runs setting aside in the same second never share one
+        try:
+            dest.mkdir(parents=True)
+            break
+        except FileExistsError:
+            i += 1
+            dest = run_dir / SUPERSEDED / f"{stamp}_{i}"
+    for f in files:
+        f.rename(dest / f.name)
+    return dest
+
+
 _RAY_START_FAILURE = "The current node timed out during startup"
 
 RAY_TMPDIR_NAME = "ray_tmp"
@@ -172,11 +207,16 @@ def run_main_ppo(
     start-up failure (and only that) is retried up to ``ray_start_retries`` times. Ray's temporary files (sessions,
     sockets, logs) go to the run's own :func:`ray_tmpdir`. The run's verl variables are also passed in the Ray job's
     ``runtime_env`` (:func:`job_env`): a run joining a cluster (``+ray_kwargs.ray_init.address=...``) then has them on
-    every node.
+    every node. The log and metrics of an earlier run in ``workdir`` are first moved aside (:func:`set_aside`; the
+    folder is printed on stderr): the log is opened with mode ``"w"`` and verl's file logger opens the metrics with
+    ``"wb"``, so they would be emptied.
     """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    env = cpu_env(workdir / "metrics.jsonl", poll_interval_s)
+    aside = set_aside(workdir, (log_name, METRICS_NAME))
+    if aside is not None:
+        print(f"verl-stable: the earlier run's files in {workdir} were moved to {aside}", file=sys.stderr)
+    env = cpu_env(workdir / METRICS_NAME, poll_interval_s)
     env["RAY_TMPDIR"] = str(ray_tmpdir(workdir))
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides, *job_env(env, overrides)]
     for attempt in range(ray_start_retries + 1):

@@ -9,7 +9,10 @@
 Re-running with the same ``--out`` skips runs that are already complete (resumable); results already in ``--out``
 are never deleted or truncated (see :mod:`verl_stable.lab.sweep`). Every argument is checked before any work starts:
 an unknown ``--only`` prefix, a ``--steps`` or ``--jobs`` below 1, a negative or repeated seed, a ``--timeout`` that is
-not a positive number, or an ``--out`` that is a file is refused with exit code 2.
+not a positive number, an ``--out`` that is a file or in a symlink loop, or a ``report.md`` in ``--out`` that is a
+directory is refused with exit code 2. Results in ``--out`` that cannot be read back (a line that is not a JSON
+object, a row whose ``variant`` is not a string or whose ``staleness``, ``seed`` or ``step`` is not an integer, a
+``metrics.jsonl`` that is a directory) are refused with exit code 1 and the file, line and key, before any run.
 """
 
 from __future__ import annotations
@@ -18,9 +21,8 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from pathlib import Path
 
-from verl_stable.argtypes import non_negative_float, positive_int, positive_seconds
+from verl_stable.argtypes import non_negative_float, positive_int, positive_seconds, resolve_path
 from verl_stable.cpu.launch import ENGINES
 from verl_stable.lab.presets import MAX_SEED
 from verl_stable.lab.variants import PRECISIONS
@@ -106,7 +108,10 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
         specs = preset.select(args.only)
     except ValueError as exc:
         parser.error(str(exc))
-    out_dir = Path(args.out).resolve()
+    try:
+        out_dir = resolve_path(args.out, "--out")
+    except ValueError as exc:
+        parser.error(str(exc))
     if out_dir.exists() and not out_dir.is_dir():
         parser.error(f"--out {out_dir} is a file; expected a directory (created if missing)")
     if not args.report_only:
@@ -171,6 +176,9 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
         path = report.write_report(rows, out_dir, header)
     except ValueError as exc:
         print(f"cannot report {out_dir / 'metrics.jsonl'}: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # report.md a directory, an unwritable --out, a full disk: one line, not a traceback
+        print(f"cannot write the report: {exc}", file=sys.stderr)
         return 1
     out(f"report: {path}\nmetrics: {out_dir / 'metrics.jsonl'}")
     return 1 if failed else 0

@@ -55,13 +55,41 @@ def metric(row: Mapping, name: str) -> float | None:
     return None
 
 
+_JSON_NAMES = {str: "string", dict: "object", list: "list", bool: "bool", int: "int", float: "float"}
+
+
+def _described(value: object) -> str:
+    return "None" if value is None else f"the {_JSON_NAMES.get(type(value), type(value).__name__)} {value!r}"
+
+
+def row_problem(row: Mapping) -> str | None:
+    """What is wrong with a row's run identity and step (:data:`REQUIRED_FIELDS`); None when nothing.
+
+    ``variant`` must be a string, ``staleness``, ``seed`` and ``step`` integers (not bools, floats or numeric
+    strings): rows are grouped and ordered by them, so a seed ``"0"`` would pass the duplicate check beside seed 0 and
+    then be merged into that run, changing its numbers.
+    """
+    missing = [f for f in REQUIRED_FIELDS if f not in row]
+    if missing:
+        return f"lacks {missing}; rows need {list(REQUIRED_FIELDS)}"
+    for key in REQUIRED_FIELDS:
+        value = row[key]
+        if key == "variant":
+            if not isinstance(value, str):
+                return f"key {key!r} must be a string, got {_described(value)}"
+        elif isinstance(value, bool) or not isinstance(value, int):
+            return f"key {key!r} must be an integer, got {_described(value)}"
+    return None
+
+
 def check_rows(rows: Sequence[Mapping]) -> None:
-    """Raise ``ValueError`` for rows missing the run identity or step, or duplicated steps within a run."""
+    """Raise ``ValueError`` for a row whose run identity or step is missing or mistyped (:func:`row_problem`), or
+    a step repeated within a run."""
     seen = set()
     for i, row in enumerate(rows):
-        missing = [f for f in REQUIRED_FIELDS if f not in row]
-        if missing:
-            raise ValueError(f"metric row {i} lacks {missing}; rows need {REQUIRED_FIELDS}")
+        problem = row_problem(row)
+        if problem is not None:
+            raise ValueError(f"metric row {i}: {problem}")
         key = (row["variant"], row["staleness"], row["seed"], row["step"])
         if key in seen:
             raise ValueError(f"duplicate step {row['step']} for {key[:3]}")
@@ -485,10 +513,31 @@ def render_markdown(
     return "\n".join(lines)
 
 
+def output_problem(out_dir: str | Path) -> str | None:
+    """What keeps :func:`write_report` from writing under ``out_dir`` (``report.md`` or ``plots/`` in the way); None
+    when nothing does."""
+    out_dir = Path(out_dir)
+    report, plots = out_dir / "report.md", out_dir / "plots"
+    if report.exists() and not report.is_file():
+        kind = "a directory" if report.is_dir() else "not a regular file"
+        return f"{report} is {kind}; expected the report file (or nothing there)"
+    if plots.exists() and not plots.is_dir():
+        return f"{plots} is a file; expected the figures' directory (or nothing there)"
+    return None
+
+
 def write_report(rows: Sequence[Mapping], out_dir: str | Path, header: Mapping[str, str] | None = None) -> Path:
-    """Write ``out_dir/report.md`` and ``out_dir/plots/regime_N<n>.png`` from the rows; returns the report path."""
+    """Write ``out_dir/report.md`` and ``out_dir/plots/regime_N<n>.png`` from the rows; returns the report path.
+
+    Raises:
+        ValueError: A malformed row (:func:`check_rows`).
+        OSError: The report or a figure cannot be written (:func:`output_problem`, or the file system's refusal).
+    """
     out_dir = Path(out_dir)
     check_rows(rows)  # a message naming the bad row, before any figure is drawn
+    problem = output_problem(out_dir)
+    if problem is not None:
+        raise OSError(problem)
     plots = plot_regimes(rows, out_dir / "plots")
     path = out_dir / "report.md"
     path.write_text(render_markdown(rows, plots, header, relative_to=out_dir))

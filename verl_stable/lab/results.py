@@ -3,7 +3,10 @@
 Each row is one training step of one run, verl's metrics with the run's identity in front (:func:`tag_rows`: variant,
 staleness, seed). :func:`merge_rows` writes the rows of a sweep into the file atomically (a temporary file renamed over
 it): a run measured again replaces its own rows, every other run's rows stay, and a reader or a crash never sees a
-truncated file. :func:`load_rows` reads it back and names the line that is not a JSON object; :func:`coldstart_line`
+truncated file. Sweeps sharing ``out`` merge one at a time: the read-modify-write holds a file lock
+(``out/.metrics.jsonl.lock``, the ``filelock`` library), so no sweep's rows are lost to another's rewrite.
+:func:`load_rows` reads the file back and names the file, line and key of a row that is not a JSON object or whose run
+identity or step is missing or mistyped (:func:`verl_stable.lab.report.row_problem`); :func:`coldstart_line`
 summarises the cold start recorded beside them (``out/coldstart.json``) for the report.
 """
 
@@ -17,7 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock
+
 from verl_stable.lab.presets import RunSpec
+from verl_stable.lab.report import row_problem
 
 
 @dataclass
@@ -47,41 +53,56 @@ def merge_rows(path: str | Path, outcomes: Sequence[RunOutcome]) -> list[dict]:
 
     A run with new rows replaces that run's old rows (same variant, N and seed); a run that produced no rows leaves
     its old rows in place, and so do all runs not in ``outcomes``. The merged rows go to a temporary file in the same
-    directory that is then renamed over ``path``, so a reader (or a crash) never sees a truncated file.
+    directory that is then renamed over ``path``, so a reader (or a crash) never sees a truncated file. The read, merge
+    and rename hold the lock :func:`lock_path` (waiting for another process's merge to finish), so concurrent sweeps
+    into one directory keep each other's rows.
 
     Raises:
-        ValueError: ``path`` exists but is not JSON lines (it is left untouched).
+        ValueError: ``path`` exists but is not JSON lines, or holds a malformed row (it is left untouched).
     """
     path = Path(path)
-    old = load_rows(path.parent, path.name)
-    fresh = [o for o in outcomes if o.rows]
-    replaced = {(o.spec.variant, o.spec.staleness, o.spec.seed) for o in fresh}
-    merged = [r for r in old if _run_key(r) not in replaced] + [r for o in fresh for r in o.rows]
-    if not fresh and path.exists():
-        return merged  # nothing new: the file stays byte for byte as it is
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            for row in merged:
-                f.write(json.dumps(row) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with FileLock(lock_path(path)):
+        old = load_rows(path.parent, path.name)
+        fresh = [o for o in outcomes if o.rows]
+        replaced = {(o.spec.variant, o.spec.staleness, o.spec.seed) for o in fresh}
+        merged = [r for r in old if _run_key(r) not in replaced] + [r for o in fresh for r in o.rows]
+        if not fresh and path.exists():
+            return merged  # nothing new: the file stays byte for byte as it is
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                for row in merged:
+                    f.write(json.dumps(row) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
     return merged
+
+
+def lock_path(path: str | Path) -> Path:
+    """The lock file that serialises merges into ``path``: hidden, beside it, empty; it stays after a merge (the
+    lock is the kernel's ``flock`` on it, released when its holder ends, even by a crash)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.lock")
 
 
 def load_rows(out: str | Path, name: str = "metrics.jsonl") -> list[dict]:
     """The sweep's rows from ``out/metrics.jsonl`` (empty if absent).
 
     Raises:
-        ValueError: A line that is not a JSON object; the message names the file and the line.
+        ValueError: The path is not a regular file, or a line is not a JSON object or lacks or mistypes the run's
+            identity or step (:func:`verl_stable.lab.report.row_problem`); the message names the file, the line and
+            the key.
     """
     path = Path(out) / name
-    if not path.is_file():
+    if not path.exists():
         return []
+    if not path.is_file():  # a directory (or a device) would make the final merge fail after every run
+        kind = "a directory" if path.is_dir() else "not a regular file"
+        raise ValueError(f"{path} is {kind}; expected a JSON-lines file of metric rows")
     rows = []
     for i, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -92,6 +113,9 @@ def load_rows(out: str | Path, name: str = "metrics.jsonl") -> list[dict]:
             raise ValueError(f"{path} line {i} is not JSON ({exc.msg}); expected one JSON object per line") from None
         if not isinstance(row, dict):
             raise ValueError(f"{path} line {i} is a {type(row).__name__}; expected one JSON object per line")
+        problem = row_problem(row)
+        if problem is not None:
+            raise ValueError(f"{path} line {i}: {problem}")
         rows.append(row)
     return rows
 

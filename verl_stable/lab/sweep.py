@@ -18,10 +18,12 @@ A run is complete when its ``done.json`` records the same overrides and its metr
 skipped, so an interrupted sweep resumes where it stopped (an incomplete run starts over).
 
 Nothing measured is ever deleted or truncated: a run that starts over first moves its earlier attempt's files aside
-(``superseded/``), and ``out/metrics.jsonl`` is rewritten atomically (a temporary file renamed over it) as the rows it
-held merged with the sweep's: a run measured again replaces its own rows, every other run's rows stay
-(:mod:`verl_stable.lab.results`). A sweep is checked before any work starts: an ``only`` prefix that names no run of the preset, or an ``out/metrics.jsonl`` that
-cannot be read back, is refused.
+(``superseded/``, :func:`verl_stable.cpu.trainer_process.set_aside`, as ``verl-stable run`` does), and
+``out/metrics.jsonl`` is rewritten atomically (a temporary file renamed over it) as the rows it held merged with the
+sweep's: a run measured again replaces its own rows, every other run's rows stay (:mod:`verl_stable.lab.results`;
+sweeps sharing ``out`` take turns through a file lock). A sweep is checked before any work starts: an ``only`` prefix
+that names no run of the preset, an ``out`` in a symlink loop, an ``out/metrics.jsonl`` that cannot be read back (a
+malformed row, a directory), or a ``report.md`` that is a directory is refused.
 
 Runs are independent processes (each with its own local Ray instance), so ``jobs > 1`` runs several at once. On a small
 CPU host a run's wall time is dominated by start-up (each of verl's Ray actors imports torch, tensordict and verl in a
@@ -42,7 +44,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from verl_stable.argtypes import resolve_path
 from verl_stable.cpu.assets import Assets, ensure_assets
+from verl_stable.cpu.trainer_process import set_aside
 from verl_stable.lab import variants as V
 from verl_stable.lab.coldstart import ColdStartResult, cold_start
 from verl_stable.lab.presets import MAX_SEED, PRESETS, Preset, RunSpec
@@ -90,25 +94,8 @@ def is_complete(run_dir: Path, overrides: Sequence[str], steps: int) -> bool:
         return False
 
 
-def _set_aside(run_dir: Path) -> Path | None:
-    """Move an earlier attempt's files of ``run_dir`` into ``run_dir/superseded/<time>/``; None if there were none.
-
-    verl's file logger appends to ``metrics.jsonl``, so a run that starts over needs it gone; its rows were measured,
-    so they are moved, never deleted.
-    """
-    files = [run_dir / n for n in ("metrics.jsonl", "done.json", "error.txt", "main_ppo.log") if (run_dir / n).exists()]
-    if not any(f.name in ("metrics.jsonl", "done.json") for f in files):
-        return None
-    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-    dest = run_dir / "superseded" / stamp
-    i = 1
-    while dest.exists():
-        dest = run_dir / "superseded" / f"{stamp}_{i}"
-        i += 1
-    dest.mkdir(parents=True)
-    for f in files:
-        f.rename(dest / f.name)
-    return dest
+# a lab run's own files beside verl's: set aside together when the run starts over
+RUN_FILES = ("metrics.jsonl", "done.json", "error.txt", "main_ppo.log")
 
 
 def _count_lines(path: Path) -> int:
@@ -136,7 +123,7 @@ def run_one(
     if is_complete(run_dir, overrides, steps):
         on_step(steps)
         return 0, True
-    _set_aside(run_dir)
+    set_aside(run_dir, RUN_FILES)
     result: dict[str, Any] = {}
 
     def target() -> None:
@@ -218,21 +205,28 @@ def check_sweep(
 
     Raises:
         ValueError: ``jobs`` < 1, a ``timeout_s`` that is not a positive number, an ``only`` prefix naming no run of
-            the preset, an ``out`` that :func:`verl_stable.recipes.check_output_dir` refuses, or an
-            ``out/metrics.jsonl`` that cannot be read (the sweep would have to overwrite it at the end).
+            the preset, an ``out`` that cannot be resolved (a symlink loop) or that
+            :func:`verl_stable.recipes.check_output_dir` refuses, an ``out/metrics.jsonl`` that cannot be read (the
+            sweep merges into it at the end; a directory there included), or a ``report.md`` / ``plots`` in the way of
+            the report (:func:`verl_stable.lab.report.output_problem`).
         FileNotFoundError: The recipe of one of the runs' variants is missing.
     """
     from verl_stable import recipes
+    from verl_stable.lab.report import output_problem
 
     if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
         raise ValueError(f"jobs must be >= 1, got {jobs}")
     if timeout_s is not None and not (0 < timeout_s < float("inf")):
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
     specs = preset.select(only)
-    out = recipes.check_output_dir(out, "output directory")  # every run's model and data paths lie below it
+    # every run's model and data paths lie below it
+    out = recipes.check_output_dir(resolve_path(out, "output directory"), "output directory")
     for variant in dict.fromkeys(s.variant for s in specs):
         recipes.recipe_path("fsdp", V.get_variant(variant).recipe)
     load_rows(out)
+    problem = output_problem(out)
+    if problem is not None:
+        raise ValueError(problem)
     return specs
 
 
