@@ -60,9 +60,12 @@ def _cmd_check(name: str, overrides: Sequence[str], out: Callable[[str], None]) 
             for k in unknown_gained_keys(compose_recipe(backend, regime), cfg, backend)
         ]
         problems += regime_mismatches(cfg, regime)
-        problems += option_problems(cfg)
+        options = option_problems(cfg)
+        problems += options
         try:
-            verl_configs(cfg, validate=True)
+            # verl's conversion reads verl-stable's sections again: after a refusal there it would only repeat it
+            if not options:
+                verl_configs(cfg, validate=True)
         except Exception as exc:  # noqa: BLE001 - any failure of verl's conversion is the answer
             problems.append(f"verl rejects the config: {type(exc).__name__}: {exc}")
     for p in problems:

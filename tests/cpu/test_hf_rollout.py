@@ -30,10 +30,13 @@ def test_the_command_line_precisions_are_the_backends():
     ("cfg", "match"),
     [
         ({"engine_kwargs": {"hf": {"precision": "int3"}}}, "unknown rollout precision"),
-        ({"engine_kwargs": {"hf": {"router_noise": -0.1}}}, "router_noise must be a finite number >= 0"),
-        ({"engine_kwargs": {"hf": {"router_noise": float("nan")}}}, "router_noise must be a finite number >= 0"),
-        ({"engine_kwargs": {"hf": {"router_noise": "0.1"}}}, "router_noise must be a finite number >= 0"),
-        ({"engine_kwargs": {"hf": {"bogus": 1}}}, "unknown rollout.engine_kwargs.hf options"),
+        ({"engine_kwargs": {"hf": {"router_noise": -0.1}}}, r"hf\.router_noise must be >= 0"),
+        ({"engine_kwargs": {"hf": {"router_noise": float("nan")}}}, r"hf\.router_noise must be a finite number"),
+        ({"engine_kwargs": {"hf": {"router_noise": "0.1"}}}, r"hf\.router_noise must be a number, got str"),
+        (
+            {"engine_kwargs": {"hf": {"bogus": 1}}},
+            r"engine_kwargs\.hf\.bogus: unknown key \(known: corrupt_routing_every, ",
+        ),
         ({"dtype": "float64"}, "not supported by the hf backend"),
         ({"engine_kwargs": {"hf": {"max_batch_size": 0}}}, "max_batch_size must be >= 1"),
     ],

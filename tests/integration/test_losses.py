@@ -319,7 +319,9 @@ def test_hydra_config_from_verl_yaml_reaches_the_loss():
     assert isinstance(actor.policy_loss, StablePolicyLossConfig)
     assert actor.policy_loss.vespo == VespoLossConfig(c1_pos=1.5)
     assert actor.policy_loss.minirl.allow_missing_rollout_is_weights is True
-    with pytest.raises(Exception, match=r"unknown key\(s\) \[.c9.\] in policy_loss.vespo"):
+    with pytest.raises(
+        Exception, match=r"policy_loss\.vespo\.c9: unknown key \(known: c1_neg, c1_pos, c2_neg, c2_pos\)"
+    ):
         omega_conf_to_dataclass(bad.actor_rollout_ref.actor)
 
     log_prob, old, adv, mask, _ = ragged_batch(7)

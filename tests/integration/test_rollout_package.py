@@ -99,7 +99,7 @@ def test_unknown_routing_options_are_refused_by_name():
     cfg = OmegaConf.create({"verl_stable": {"routing": {"share_prompt_row": False, "on_invalid": "raise"}}})
     with pytest.raises(
         ValueError,
-        match=r"unknown key\(s\) share_prompt_row; known keys: on_invalid, share_prompt_rows, share_prompt_rows_min_bytes$",
+        match=r"verl_stable\.routing\.share_prompt_row: unknown key \(known: on_invalid, share_prompt_rows, share_prompt_rows_min_bytes\)$",
     ):
         rollout.RolloutRoutingOptions.from_config(cfg)
     with pytest.raises(ValueError, match="verl_stable.routing must be a mapping"):

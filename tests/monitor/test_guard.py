@@ -124,8 +124,11 @@ def test_config_overrides_disables_and_adds_rules():
 @pytest.mark.parametrize(
     ("config", "match"),
     [
-        ({"rulez": {}}, "unknown guard config keys"),
-        ({"rules": {"entropy_collapse": {"treshold": 1}}}, "unknown keys"),
+        ({"rulez": {}}, r"stable\.guard\.rulez: unknown key \(known: enable, rules, use_defaults\)"),
+        (
+            {"rules": {"entropy_collapse": {"treshold": 1}}},
+            r"rules\.entropy_collapse\.treshold: unknown key \(known: action, ",
+        ),
         ({"rules": {"entropy_collapse": {"action": "panic"}}}, "action must be one of"),
         ({"rules": {"entropy_collapse": {"window": 1}}}, "window >= 2"),
         ({"rules": {"new": {"threshold": 1.0}}}, "needs 'condition'"),
@@ -140,7 +143,7 @@ def test_bad_config_raises_clear_errors(config, match):
 
 
 def test_a_rule_that_is_not_a_mapping_raises_type_error():
-    with pytest.raises(TypeError, match=r"guard rule 'new' must be a mapping or null, got str 'above'"):
+    with pytest.raises(TypeError, match=r"stable\.guard\.rules\.new must be a mapping, got str 'above'"):
         Guard.from_config({"rules": {"new": "above"}})
 
 

@@ -63,14 +63,18 @@ def test_the_rule_can_be_switched_off():
 @pytest.mark.parametrize(
     ("spec", "error", "match"),
     [
-        ({"action": "explode"}, ValueError, r"rule 'replay_coverage': action must be one of"),
-        ({"threshold": "high"}, ValueError, r"rule 'replay_coverage': threshold must be a number"),
-        ({"threshold": math.nan}, ValueError, r"rule 'replay_coverage': condition 'below' needs a finite threshold"),
-        ({"threshold": [0.9]}, TypeError, r"rule 'replay_coverage': threshold must be a real number"),
-        ({"treshold": 0.9}, ValueError, r"guard rule 'replay_coverage': unknown keys \['treshold'\]"),
-        ({"optional": "yes"}, TypeError, r"rule 'replay_coverage': optional must be a bool"),
-        ({"enabled": "false"}, TypeError, r"guard rule 'replay_coverage': enabled must be a bool"),
-        ("warn", TypeError, r"guard rule 'replay_coverage' must be a mapping or null"),
+        ({"action": "explode"}, ValueError, r"rules\.replay_coverage\.action must be one of"),
+        ({"threshold": "high"}, ValueError, r"rules\.replay_coverage\.threshold must be a number, got str 'high'"),
+        (
+            {"threshold": math.nan},
+            ValueError,
+            r"rules\.replay_coverage\.threshold must be a finite number, got float nan",
+        ),
+        ({"threshold": [0.9]}, TypeError, r"rules\.replay_coverage\.threshold must be a number, got list"),
+        ({"treshold": 0.9}, ValueError, r"rules\.replay_coverage\.treshold: unknown key \(known: action, "),
+        ({"optional": "yes"}, TypeError, r"rules\.replay_coverage\.optional must be a bool"),
+        ({"enabled": "false"}, TypeError, r"rules\.replay_coverage\.enabled must be a bool"),
+        ("warn", TypeError, r"rules\.replay_coverage must be a mapping, got str 'warn'"),
     ],
 )
 def test_config_errors_name_the_rule(spec, error, match):

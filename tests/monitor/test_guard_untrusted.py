@@ -75,18 +75,39 @@ def test_entropy_slope_is_per_training_step_across_gaps():
 @pytest.mark.parametrize(
     ("config", "match"),
     [
-        ({"rules": {"train_inference_kl": {"enabled": "false"}}}, r"'train_inference_kl'.*enabled must be a bool.*str"),
+        (
+            {"rules": {"train_inference_kl": {"enabled": "false"}}},
+            r"rules\.train_inference_kl\.enabled must be a bool.*str",
+        ),
         ({"use_defaults": "false"}, r"use_defaults must be a bool \(true/false\), got str 'false'"),
         ({"enable": 0}, r"enable must be a bool \(true/false\), got int 0"),
-        ({"rules": {"f5": {"condition": "above", "metrics": {"a": 1}, "threshold": 1}}}, r"'f5'.*metrics.*got dict"),
-        ({"rules": {"f5": {"condition": "above", "metrics": ["a", 1], "threshold": 1}}}, r"'f5'.*metric names"),
-        ({"rules": {"train_inference_kl": {"threshold": True}}}, r"'train_inference_kl'.*threshold.*got bool"),
-        ({"rules": {"train_inference_kl": {"threshold": [0.1]}}}, r"'train_inference_kl'.*threshold.*got list"),
-        ({"rules": {"entropy_collapse": {"window": "5"}}}, r"'entropy_collapse'.*window must be an int.*got str"),
-        ({"rules": {"entropy_collapse": {"slope_tolerance": "x"}}}, r"'entropy_collapse'.*slope_tolerance.*got str"),
-        (["rules"], r"guard config must be a mapping or None, got list"),
-        ({"rules": ["entropy_collapse"]}, r"guard rules must be a mapping .*, got list"),
-        ({"rules": {3: {"condition": "above", "metric": "x", "threshold": 1}}}, r"rule name must be a str, got int"),
+        (
+            {"rules": {"f5": {"condition": "above", "metrics": {"a": 1}, "threshold": 1}}},
+            r"rules\.f5\.metrics must be a list, got dict",
+        ),
+        (
+            {"rules": {"f5": {"condition": "above", "metrics": ["a", 1], "threshold": 1}}},
+            r"rules\.f5\.metrics\.1 must be a string, got int 1",
+        ),
+        (
+            {"rules": {"train_inference_kl": {"threshold": True}}},
+            r"rules\.train_inference_kl\.threshold must be a number, got bool",
+        ),
+        (
+            {"rules": {"train_inference_kl": {"threshold": [0.1]}}},
+            r"rules\.train_inference_kl\.threshold must be a number, got list",
+        ),
+        ({"rules": {"entropy_collapse": {"window": "5"}}}, r"rules\.entropy_collapse\.window must be an int, got str"),
+        (
+            {"rules": {"entropy_collapse": {"slope_tolerance": "x"}}},
+            r"rules\.entropy_collapse\.slope_tolerance must be a number, got str",
+        ),
+        (["rules"], r"stable\.guard must be a mapping of options, got list"),
+        ({"rules": ["entropy_collapse"]}, r"stable\.guard\.rules must be a mapping, got list"),
+        (
+            {"rules": {3: {"condition": "above", "metric": "x", "threshold": 1}}},
+            r"stable\.guard\.rules: a key must be a name, got 3",
+        ),
     ],
 )
 def test_config_of_the_wrong_type_raises_type_error_naming_the_rule(config, match):
@@ -97,11 +118,26 @@ def test_config_of_the_wrong_type_raises_type_error_naming_the_rule(config, matc
 @pytest.mark.parametrize(
     ("config", "match"),
     [
-        ({"rules": {"train_inference_kl": {"threshold": "abc"}}}, r"rule 'train_inference_kl': threshold must be a"),
-        ({"rules": {"train_inference_kl": {"threshold": "nan"}}}, r"rule 'train_inference_kl'.*finite threshold"),
-        ({"rules": {"f5": {"condition": "above", "metrics": [], "threshold": 1}}}, r"'f5'.*non-empty"),
-        ({"rules": {"f5": {"condition": "above", "metric": "", "threshold": 1}}}, r"'f5'.*non-empty"),
-        ({"rules": {"entropy_collapse": {"slope_tolerance": math.inf}}}, r"'entropy_collapse'.*slope_tolerance"),
+        (
+            {"rules": {"train_inference_kl": {"threshold": "abc"}}},
+            r"rules\.train_inference_kl\.threshold must be a number, got str 'abc'",
+        ),
+        (
+            {"rules": {"train_inference_kl": {"threshold": "nan"}}},
+            r"rules\.train_inference_kl\.threshold must be a finite number, got str 'nan'",
+        ),
+        (
+            {"rules": {"f5": {"condition": "above", "metrics": [], "threshold": 1}}},
+            r"rules\.f5\.metrics must not be empty",
+        ),
+        (
+            {"rules": {"f5": {"condition": "above", "metric": "", "threshold": 1}}},
+            r"rules\.f5\.metric must not be empty",
+        ),
+        (
+            {"rules": {"entropy_collapse": {"slope_tolerance": math.inf}}},
+            r"rules\.entropy_collapse\.slope_tolerance must be a finite number",
+        ),
     ],
 )
 def test_config_with_a_bad_value_raises_value_error_naming_the_rule(config, match):

@@ -82,7 +82,7 @@ def test_check_accepts_keys_verl_or_verl_stable_define():
         (["+verl_stable.routing.on_invalid=bogus"], "verl_stable.routing.on_invalid must be one of"),
         (
             ["+verl_stable.routing.share_prompt_rows_min_bytes=-1"],
-            "verl_stable.routing.share_prompt_rows_min_bytes must be an int >= 0 (bytes), got -1",
+            "verl_stable.routing.share_prompt_rows_min_bytes must be >= 0, got int -1",
         ),
         (
             ["actor_rollout_ref.rollout.name=hf", "+actor_rollout_ref.rollout.engine_kwargs.hf.precision=fp9"],
@@ -93,7 +93,7 @@ def test_check_accepts_keys_verl_or_verl_stable_define():
                 "actor_rollout_ref.rollout.name=vllm",
                 "+actor_rollout_ref.rollout.engine_kwargs.vllm.corrupt_routing_every=-2",
             ],
-            "vllm rollout: rollout.engine_kwargs.vllm.corrupt_routing_every (fault injection) must be an int >= 0",
+            "vllm rollout: actor_rollout_ref.rollout.engine_kwargs.vllm.corrupt_routing_every (fault injection) must be >= 0",
         ),
     ],
 )
@@ -346,3 +346,11 @@ def test_preflight_accepts_ulysses_on_cpu_with_the_packed_varlen_kernel():
     # the preflight's notion of "the kernel" is the CPU runtime's overrides
     expected = {f"{'+' if 'override_config' in k else ''}{k}={v}" for k, v in ULYSSES_CPU_ATTENTION.items()}
     assert expected == set(attention.OVERRIDES)
+
+
+def test_run_cpu_refuses_a_workdir_in_a_symlink_loop(tmp_path, capsys, no_run):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    err = _refused(["run-cpu", "fsdp/vespo", "--workdir", str(tmp_path / "a")], capsys)
+    assert f"workdir {tmp_path / 'a'} cannot be resolved (it runs into a symlink loop)" in err
+    assert "Traceback" not in err

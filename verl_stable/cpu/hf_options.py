@@ -23,7 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from verl_stable.schema import HFEngineOptions, parse
+
 BACKEND = "hf"
+SECTION = f"actor_rollout_ref.rollout.engine_kwargs.{BACKEND}"
 PRECISIONS = ("fp8", "bf16", "fp16", "fp32", "fp8_w8a8", "int4")
 """Rollout precisions the ``hf`` backend serves, in the order the command lines offer them."""
 
@@ -46,21 +49,19 @@ class HFOptions:
 def resolve_options(config: Any) -> HFOptions:
     """Read the ``hf`` backend options from a rollout config (dataclass or DictConfig).
 
+    The section is read with the schema (:class:`verl_stable.schema.HFEngineOptions`: strict types, bounds).
+
     Raises:
-        ValueError: unknown precision or option names.
+        ValueError: unknown precision or ``rollout.dtype``; :class:`verl_stable.schema.ConfigError` (a
+            ``ValueError``) for unknown option names or values of the wrong type or out of range, naming the key.
     """
     # precision.py imports torch at module level; a config check should not pay for it unless a precision is named
     from verl_stable.cpu.precision import canonical_precision
 
-    engine_kwargs = dict(_get(config, "engine_kwargs", {}) or {})
-    raw = dict(engine_kwargs.get(BACKEND, {}) or {})
-    unknown = set(raw) - set(HFOptions.__dataclass_fields__)
-    if unknown:
-        raise ValueError(
-            f"unknown rollout.engine_kwargs.hf options {sorted(unknown)}; known: {sorted(HFOptions.__dataclass_fields__)}"
-        )
-    if raw.get("precision") is not None:
-        precision = canonical_precision(raw["precision"])
+    engine_kwargs = _get(config, "engine_kwargs", None) or {}
+    options = parse(HFEngineOptions, _get(engine_kwargs, BACKEND, None), SECTION)
+    if options.precision is not None:
+        precision = canonical_precision(options.precision)
     elif str(_get(config, "quantization", None) or "").lower() == "fp8":
         precision = "fp8"
     else:
@@ -70,26 +71,13 @@ def resolve_options(config: Any) -> HFOptions:
                 f"rollout.dtype={dtype!r} is not supported by the hf backend; use one of {sorted(_DTYPE_TO_PRECISION)}"
             )
         precision = _DTYPE_TO_PRECISION[dtype]
-    threads = raw.get("num_threads")
-    max_batch = int(raw.get("max_batch_size", HFOptions.max_batch_size))
-    if max_batch < 1:
-        raise ValueError(f"rollout.engine_kwargs.hf.max_batch_size must be >= 1, got {max_batch}")
-    corrupt_every = raw.get("corrupt_routing_every", HFOptions.corrupt_routing_every)
-    if isinstance(corrupt_every, bool) or not isinstance(corrupt_every, int) or corrupt_every < 0:
-        raise ValueError(
-            "rollout.engine_kwargs.hf.corrupt_routing_every (fault injection) must be an int >= 0 (0: off), got "
-            f"{corrupt_every!r}"
-        )
-    noise = raw.get("router_noise", HFOptions.router_noise)
-    if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not 0 <= noise < float("inf"):
-        raise ValueError(f"rollout.engine_kwargs.hf.router_noise must be a finite number >= 0 (0: off), got {noise!r}")
     return HFOptions(
         precision,
-        bool(raw.get("sync_weights", True)),
-        int(threads) if threads else None,
-        max_batch,
-        corrupt_routing_every=corrupt_every,
-        router_noise=float(noise),
+        options.sync_weights,
+        options.num_threads,
+        options.max_batch_size,
+        corrupt_routing_every=options.corrupt_routing_every,
+        router_noise=float(options.router_noise),
     )
 
 

@@ -193,17 +193,17 @@ def routing_fault_every(rollout: Any) -> int:
     Raises:
         VllmCpuError: a value that is not an int >= 0.
     """
+    from verl_stable.schema import ConfigError, VllmEngineOptions, parse
+
     get = rollout.get if hasattr(rollout, "get") else lambda k, d=None: getattr(rollout, k, d)
     engine_kwargs = get("engine_kwargs", None) or {}
-    every = (engine_kwargs.get(BACKEND, None) or {}).get(FAULT_OPTION, 0)
-    if every is None:
-        return 0
-    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-        raise VllmCpuError(
-            f"rollout.engine_kwargs.{BACKEND}.{FAULT_OPTION} (fault injection) must be an int >= 0 (0: off), got "
-            f"{every!r}"
-        )
-    return every
+    section = engine_kwargs.get(BACKEND, None) if hasattr(engine_kwargs, "get") else engine_kwargs
+    try:
+        return parse(
+            VllmEngineOptions, section, f"actor_rollout_ref.rollout.engine_kwargs.{BACKEND}"
+        ).corrupt_routing_every
+    except ConfigError as exc:
+        raise VllmCpuError(str(exc).replace(FAULT_OPTION, f"{FAULT_OPTION} (fault injection)", 1)) from None
 
 
 class RoutingFaults:

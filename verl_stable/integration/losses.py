@@ -56,9 +56,12 @@ from verl_stable.algos.minirl import minirl_policy_loss
 from verl_stable.algos.token_batch import PolicyLossTerms
 from verl_stable.algos.vespo import VespoKernel, vespo_policy_loss
 from verl_stable.monitor.metrics import STALENESS, staleness_statistics
+from verl_stable.schema import MiniRLOptions, VespoOptions, parse
 
 #: Prefix of the staleness metrics the losses return (verl logs them as is; the monitor moves them to ``stable/``).
 STALENESS_METRIC_PREFIX = f"actor/{STALENESS}/"
+
+SECTION_KEY = "actor_rollout_ref.actor.policy_loss"
 
 _AGG_KEYS = ("dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor")
 
@@ -75,7 +78,7 @@ MISSING_IS_WEIGHTS_MESSAGE = (
 
 @dataclass
 class MiniRLLossConfig(BaseConfig):
-    """Options of the ``minirl`` policy loss beyond verl's clip ratios.
+    """Options of the ``minirl`` policy loss beyond verl's clip ratios (schema: :class:`verl_stable.schema.MiniRLOptions`).
 
     Args:
         allow_missing_rollout_is_weights (bool): Accept ``rollout_is_weights=None`` and use ``w = 1``. Only right
@@ -85,10 +88,15 @@ class MiniRLLossConfig(BaseConfig):
 
     allow_missing_rollout_is_weights: bool = False
 
+    def __post_init__(self) -> None:
+        _check_section(self, MiniRLOptions, "minirl")
+
 
 @dataclass
 class VespoLossConfig(BaseConfig):
     """Constants of the VESPO kernel ``phi(W) = W^c1 * exp(c2 * (1 - W))``; defaults are the paper's.
+
+    Schema: :class:`verl_stable.schema.VespoOptions` (finite numbers >= 0).
 
     Args:
         c1_pos (float): ``c1`` for ``A > 0``.
@@ -101,6 +109,9 @@ class VespoLossConfig(BaseConfig):
     c2_pos: float = 3.0
     c1_neg: float = 3.0
     c2_neg: float = 2.0
+
+    def __post_init__(self) -> None:
+        _check_section(self, VespoOptions, "vespo")
 
 
 @dataclass
@@ -123,16 +134,25 @@ class StablePolicyLossConfig(PolicyLossConfig):
                 object.__setattr__(self, name, _section_from_mapping(cls, value, name))
 
 
+_SCHEMAS: dict[type, type] = {MiniRLLossConfig: MiniRLOptions, VespoLossConfig: VespoOptions}
+
+
+def _check_section(section: Any, schema: type, name: str) -> None:
+    """Validate a loss section's fields with its schema (the same check whether built by hydra or in code)."""
+    values = {f.name: getattr(section, f.name) for f in fields(section) if f.name != "_target_"}
+    parse(schema, values, f"{SECTION_KEY}.{name}")
+
+
 def _section_from_mapping(cls: type, value: Any, name: str) -> Any:
-    if value is None:
-        return cls()
-    if not isinstance(value, Mapping):
-        raise TypeError(f"policy_loss.{name} must be a mapping, got {type(value).__name__}")
-    known = {f.name for f in fields(cls)} - {"_target_"}
-    unknown = sorted(set(value) - known - {"_target_"})
-    if unknown:
-        raise ValueError(f"unknown key(s) {unknown} in policy_loss.{name}; known: {sorted(known)}")
-    return cls(**{k: v for k, v in value.items() if k in known})
+    options = parse(_SCHEMAS[cls], _without_target(value), f"{SECTION_KEY}.{name}")
+    return cls(**options.model_dump())
+
+
+def _without_target(value: Any) -> Any:
+    # a section written with its own _target_ (hydra's spelling) carries it as a key; it names the class, not an option
+    if isinstance(value, Mapping) and "_target_" in value:
+        return {k: v for k, v in value.items() if k != "_target_"}
+    return value
 
 
 def _get(obj: Any, key: str, default: Any = None) -> Any:

@@ -47,15 +47,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDict
 
 from verl_stable.integration.rollout.boundary import TRANSPORT_METRIC_PREFIX
 from verl_stable.integration.rollout.sharing import SIDE_READ_COUNTS
 from verl_stable.monitor import metrics as M
-from verl_stable.monitor.common import check_bool
 from verl_stable.monitor.guard import Guard, Verdict
 from verl_stable.monitor.routing_metrics import COVERAGE, COVERAGE_COUNTS, replay_coverage_metrics
+from verl_stable.schema import MonitorOptions, StableOptions, parse
 
 logger = logging.getLogger("verl_stable")
 
@@ -97,12 +96,9 @@ class MonitorConfig:
     per_update: bool = True
 
     def __post_init__(self) -> None:
-        check_bool(f"{CONFIG_KEY}.monitor.enable", self.enable)
-        check_bool(f"{CONFIG_KEY}.monitor.per_update", self.per_update)
-        if self.entropy_window < 2:
-            raise ValueError(f"stable.monitor.entropy_window must be >= 2, got {self.entropy_window}")
-        if self.routing_interval < 0:
-            raise ValueError(f"stable.monitor.routing_interval must be >= 0, got {self.routing_interval}")
+        # the schema's check whether built from the YAML or in code; frozen: the normalised taus go through setattr
+        options = parse(MonitorOptions, {f.name: getattr(self, f.name) for f in fields(self)}, f"{CONFIG_KEY}.monitor")
+        object.__setattr__(self, "taus", options.taus)
 
 
 @dataclass(frozen=True)
@@ -114,34 +110,29 @@ class StableConfig:
     guard: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_dict(cls, block: Mapping[str, Any] | None) -> StableConfig:
-        """Parse and validate a ``stable`` block (plain dict or DictConfig).
+    def from_dict(cls, block: Mapping[str, Any] | bool | None) -> StableConfig:
+        """Parse and validate a ``stable`` block (plain dict, DictConfig, a bool or None) with the schema.
 
+        The schema is :class:`verl_stable.schema.StableOptions` (strict types, bounds, unknown keys refused):
+        ``stable: false`` turns the monitor and the guard off, ``monitor: false`` / ``guard: false`` one of them.
         ``guard.enable`` becomes :attr:`guard_enable` and leaves the guard's dict; the rules are validated even when
         the guard is off, so a typo fails at startup whichever way it is switched.
 
         Raises:
-            ValueError: For unknown keys or bad values (from :meth:`Guard.from_config` for the guard's).
-            TypeError: For a switch that is not a bool (``guard.enable``, ``monitor.enable``, ``monitor.per_update``:
-                the string ``"false"`` would read as true) and the guard's values of the wrong type.
+            verl_stable.schema.ConfigError: (a ``ValueError`` and ``TypeError``) naming the offending key.
         """
-        if isinstance(block, DictConfig):
-            block = OmegaConf.to_container(block, resolve=True)
-        block = dict(block or {})
-        unknown = set(block) - {"monitor", "guard"}
-        if unknown:
-            raise ValueError(f"unknown keys in '{CONFIG_KEY}': {sorted(unknown)} (allowed: monitor, guard)")
-        mon = dict(block.get("monitor") or {})
-        allowed = {f.name for f in fields(MonitorConfig)}
-        if set(mon) - allowed:
-            raise ValueError(f"unknown keys in '{CONFIG_KEY}.monitor': {sorted(set(mon) - allowed)}")
-        if "taus" in mon:
-            mon["taus"] = tuple(float(t) for t in mon["taus"])
-        guard = dict(block.get("guard") or {})
-        # strictly: bool("false") is True, so a quoted YAML value would silently leave the guard on
-        guard_enable = check_bool(f"{CONFIG_KEY}.guard.enable", guard.pop("enable", True))
-        Guard.from_config(guard)  # validate now: a typo must fail at startup, not at the first trip
-        return cls(monitor=MonitorConfig(**mon), guard_enable=guard_enable, guard=guard)
+        options = parse(StableOptions, block, CONFIG_KEY)
+        # the guard's dict holds what the user set, so an unconfigured block equals the default one
+        guard = options.guard.model_dump(exclude={"enable", "rules"}, exclude_unset=True)
+        if options.guard.rules:
+            guard["rules"] = {
+                name: None if spec is None else spec.model_dump(exclude_unset=True)
+                for name, spec in options.guard.rules.items()
+            }
+        Guard.from_config(guard, f"{CONFIG_KEY}.guard")  # validate now: a typo must fail at startup, not at a trip
+        return cls(
+            monitor=MonitorConfig(**options.monitor.model_dump()), guard_enable=options.guard.enable, guard=guard
+        )
 
     @classmethod
     def from_trainer_config(cls, config: Mapping[str, Any]) -> StableConfig:

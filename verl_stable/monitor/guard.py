@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 from verl_stable.monitor.common import check_bool, check_int, check_real, type_name
 from verl_stable.monitor.metrics import window_slope
+from verl_stable.schema import MAX_WINDOW, ConfigError, GuardOptions, parse
 
 Action = Literal["warn", "stop", "stop_checkpoint"]
 Condition = Literal["above", "below", "below_and_falling", "non_finite"]
@@ -90,8 +91,8 @@ class Rule:
         object.__setattr__(self, "window", check_int(f"{where}: window", self.window))
         if self.condition == "below_and_falling" and self.window < 2:
             raise ValueError(f"{where}: below_and_falling needs an integer window >= 2, got {self.window!r}")
-        if self.window < 1:
-            raise ValueError(f"{where}: window must be >= 1, got {self.window!r}")
+        if not 1 <= self.window <= MAX_WINDOW:
+            raise ValueError(f"{where}: window must be in [1, {MAX_WINDOW}], got {self.window!r}")
         tolerance = check_real(f"{where}: slope_tolerance", self.slope_tolerance)
         if not (math.isfinite(tolerance) and tolerance >= 0):
             raise ValueError(f"{where}: slope_tolerance must be a finite number >= 0, got {tolerance!r}")
@@ -201,18 +202,6 @@ DEFAULT_RULES: tuple[Rule, ...] = (
     ),
 )
 
-_RULE_KEYS = {
-    "condition",
-    "metrics",
-    "metric",
-    "threshold",
-    "window",
-    "action",
-    "enabled",
-    "slope_tolerance",
-    "optional",
-}
-
 
 def _as_float(value: Any) -> float | None:
     """A logged metric value as a float, ``+-inf`` for an int beyond float range, ``None`` if it is no number.
@@ -229,16 +218,6 @@ def _as_float(value: Any) -> float | None:
         return None
     except (TypeError, ValueError, RuntimeError):  # None, containers, tensors of several elements
         return None
-
-
-def _threshold(where: str, value: Any) -> Any:
-    """A numeric string (PyYAML reads ``1e-2`` as one) as a float; anything else is left to :class:`Rule`."""
-    if not isinstance(value, str):
-        return value
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"{where}: threshold must be a number, got the string {value!r}") from None
 
 
 @dataclass
@@ -272,7 +251,7 @@ class Guard:
             self._history[rule.name] = {}
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any] | None) -> Guard:
+    def from_config(cls, config: Mapping[str, Any] | None, key: str = "stable.guard") -> Guard:
         """Build a guard from a plain dict (YAML), starting from :data:`DEFAULT_RULES`.
 
         Shape::
@@ -284,55 +263,42 @@ class Guard:
               f5: {condition: above, metric: stable/train_inf/extreme_frac_tau5, threshold: 0.01}  # a new rule
             use_defaults: true    # false starts from no rule
 
-        ``metric`` (one name) and ``metrics`` (a list) are synonyms. ``enable``, ``use_defaults`` and ``enabled``
-        must be booleans (the string ``"false"`` raises rather than reading as true); a numeric string threshold
-        such as ``"1e-2"`` (PyYAML's reading of ``1e-2``) is converted. Unknown keys and bad values raise
-        ``ValueError``, values of the wrong type ``TypeError``, naming the rule.
+        ``metric`` (one name) and ``metrics`` (a list) are synonyms. The shape is the schema's
+        :class:`verl_stable.schema.GuardOptions` (strict: ``enable``, ``use_defaults`` and ``enabled`` must be
+        booleans, the string ``"false"`` raises rather than reading as true; a numeric string threshold such as
+        ``"1e-2"``, PyYAML's reading of ``1e-2``, is converted); ``false`` alone means ``{enable: false}``.
+
+        Args:
+            config: the guard's section (mapping, OmegaConf node, bool or None).
+            key: the section's full name, used in messages.
+
+        Raises:
+            verl_stable.schema.ConfigError: (a ``ValueError`` and ``TypeError``) naming the key of the first
+                problem: unknown keys, values of the wrong type or out of range, a new rule without condition or
+                metric.
         """
-        if config is None:
-            config = {}
-        if not isinstance(config, Mapping):
-            raise TypeError(f"guard config must be a mapping or None, got {type_name(config)}")
-        config = dict(config)
-        unknown = set(config) - {"rules", "use_defaults", "enable"}
-        if unknown:
-            allowed = "enable, rules, use_defaults"
-            raise ValueError(f"unknown guard config keys: {sorted(unknown, key=str)} (allowed: {allowed})")
-        enable = check_bool("guard config: enable", config.get("enable", True))
-        use_defaults = check_bool("guard config: use_defaults", config.get("use_defaults", True))
-        specs = config.get("rules") or {}
-        if not isinstance(specs, Mapping):
-            raise TypeError(f"guard rules must be a mapping of rule name to settings, got {type_name(specs)}")
-        rules = {r.name: r for r in DEFAULT_RULES} if use_defaults else {}
-        for name, spec in specs.items():
-            if not isinstance(name, str):
-                raise TypeError(f"guard rule name must be a str, got {type_name(name)} {name!r}")
-            where = f"guard rule {name!r}"
-            if spec is None:
+        options = parse(GuardOptions, config, key)
+        rules = {r.name: r for r in DEFAULT_RULES} if options.use_defaults else {}
+        for name, spec in options.rules.items():
+            where = f"{key}.rules.{name}"
+            if spec is None or not spec.enabled:
                 rules.pop(name, None)
                 continue
-            if not isinstance(spec, Mapping):
-                raise TypeError(f"{where} must be a mapping or null, got {type_name(spec)} {spec!r}")
-            spec = dict(spec)
-            bad = set(spec) - _RULE_KEYS
-            if bad:
-                raise ValueError(f"{where}: unknown keys {sorted(bad, key=str)} (allowed: {sorted(_RULE_KEYS)})")
-            if not check_bool(f"{where}: enabled", spec.pop("enabled", True)):
-                rules.pop(name, None)
-                continue
-            if "metric" in spec:
-                if "metrics" in spec:
-                    raise ValueError(f"{where}: give either 'metric' or 'metrics', not both")
-                spec["metrics"] = spec.pop("metric")
-            if "threshold" in spec:
-                spec["threshold"] = _threshold(f"rule {name!r}", spec["threshold"])
-            if name in rules:
-                rules[name] = replace(rules[name], **spec)
-            else:
-                if "condition" not in spec or "metrics" not in spec:
-                    raise ValueError(f"new {where} needs 'condition' and 'metric(s)'")
-                rules[name] = Rule(name=name, **spec)
-        return cls(rules=tuple(rules.values()) if enable else ())
+            given = spec.model_dump(exclude_unset=True, exclude={"enabled"})
+            if "metric" in given:
+                if "metrics" in given:
+                    raise ConfigError(f"{where}: give either 'metric' or 'metrics', not both")
+                given["metrics"] = given.pop("metric")
+            try:
+                if name in rules:
+                    rules[name] = replace(rules[name], **given)
+                else:
+                    if "condition" not in given or "metrics" not in given:
+                        raise ValueError(f"new {where} needs 'condition' and 'metric(s)'")
+                    rules[name] = Rule(name=name, **given)
+            except (ValueError, TypeError) as exc:  # what depends on several fields (Rule's own checks)
+                raise ConfigError(f"{where}: {exc}") from None
+        return cls(rules=tuple(rules.values()) if options.enable else ())
 
     def observe(self, step: int, metrics: Mapping[str, Any]) -> list[Verdict]:
         """Evaluate every rule on one step's metrics and return the verdicts of the rules that fired.
@@ -424,6 +390,13 @@ def last_good_checkpoint_step(saved_steps: Iterable[int], trip_step: int, flagge
     gradient norm) are logged at step ``c``, and the rollout those weights generate is measured at step
     ``c + 1``. So ``c`` is good when ``c + 1 < trip_step`` and neither step ``c`` nor ``c + 1`` was flagged by any
     rule (warn included). Steps before this guard started (a resumed run) count as unflagged.
+
+    Args:
+        saved_steps: steps of the checkpoints that can be resumed from; the trainer passes only those
+            (:func:`verl_stable.integration.trainer.resumable_checkpoint_steps`), since verl's rotation leaves an older
+            ``global_step_<n>/`` without its weights.
+        trip_step: the step whose verdict stops the run.
+        flagged_steps: steps any rule flagged.
 
     Returns:
         The largest good saved step, or ``None``.

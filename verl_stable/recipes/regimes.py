@@ -118,11 +118,20 @@ def config_value(cfg: Any, key: str) -> Any:
 
 def staleness(cfg: Any) -> float:
     """N = ``data.train_batch_size / actor.ppo_mini_batch_size`` times ``ppo_epochs`` (updates per rollout batch)."""
-    train = config_value(cfg, "data.train_batch_size")
-    mini = config_value(cfg, "actor_rollout_ref.actor.ppo_mini_batch_size")
-    epochs = config_value(cfg, "actor_rollout_ref.actor.ppo_epochs") or 1
-    if not train or not mini:
-        raise ValueError(f"data.train_batch_size={train} and actor.ppo_mini_batch_size={mini} must be positive")
+    counts = {}
+    for key in (
+        "data.train_batch_size",
+        "actor_rollout_ref.actor.ppo_mini_batch_size",
+        "actor_rollout_ref.actor.ppo_epochs",
+    ):
+        value = config_value(cfg, key)
+        if value is None and key.endswith("ppo_epochs"):
+            value = 1
+        # a quoted '512' would divide as a string (a traceback) or compare as text: refuse it by name
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key} must be a positive int, got {type(value).__name__} {value!r}")
+        counts[key] = value
+    train, mini, epochs = counts.values()
     return train / mini * epochs
 
 
@@ -173,7 +182,11 @@ def regime_mismatches(cfg: Any, regime: str | Regime, *, paper_geometry: bool = 
     problems = []
     for key, want in wanted.items():
         found = config_value(cfg, key)
-        same = found == want if not isinstance(want, float) else found is not None and abs(float(found) - want) < 1e-9
+        if isinstance(want, float):  # a number; a string such as 'abc' (or '5.0') is not the number the regime needs
+            number = isinstance(found, (int, float)) and not isinstance(found, bool)
+            same = number and abs(float(found) - want) < 1e-9
+        else:
+            same = found == want
         if not same or isinstance(found, bool) != isinstance(want, bool):
             problems.append(f"{key} = {found!r}, regime {regime.name} needs {want!r}")
     try:

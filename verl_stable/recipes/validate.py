@@ -104,7 +104,7 @@ def is_known_key(base: Mapping, key: str) -> bool:
     for section in (HF_OPTIONS_SECTION, ROUTING_OPTIONS_SECTION):
         if key.startswith(section + "."):
             return key[len(section) + 1 :].split(".", 1)[0] in _section_fields(section)
-        if key == section:
+        if key == section or section.startswith(key + "."):  # the section itself or a node above it
             return True
     node: Any = base
     for part in key.split("."):
@@ -200,12 +200,29 @@ def option_problems(cfg: Any) -> list[str]:
     from omegaconf import OmegaConf
 
     from verl_stable.integration.rollout import RolloutRoutingOptions
+    from verl_stable.integration.step_monitor import StableConfig
+    from verl_stable.schema import MiniRLOptions, VespoOptions, parse
 
     problems = []
+    # the schema's readers, exactly as the runtime calls them (verl_configs converts them again, inside verl's
+    # dataclasses, where a refusal would read as verl's)
     try:
         RolloutRoutingOptions.from_config(cfg)
     except (ValueError, TypeError) as exc:
         problems.append(str(exc))
+    try:
+        StableConfig.from_trainer_config(cfg)
+    except (ValueError, TypeError) as exc:
+        problems.append(str(exc))
+    loss_key = "actor_rollout_ref.actor.policy_loss"
+    for name, schema in (("minirl", MiniRLOptions), ("vespo", VespoOptions)):
+        section = config_value(cfg, f"{loss_key}.{name}")
+        if section is not None and hasattr(section, "keys"):
+            section = {k: v for k, v in OmegaConf.to_container(section, resolve=True).items() if k != "_target_"}
+        try:
+            parse(schema, section, f"{loss_key}.{name}")
+        except (ValueError, TypeError) as exc:
+            problems.append(str(exc))
     if str(config_value(cfg, "trainer.device") or "").lower() == "cpu":
         ulysses = {k: config_value(cfg, k) for k in ULYSSES_KEYS}
         bad = {k: v for k, v in ulysses.items() if isinstance(v, int) and not isinstance(v, bool) and v > 1}

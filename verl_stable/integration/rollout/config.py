@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from verl_stable.routing.codecs import ON_INVALID
+from verl_stable.schema import DEFAULT_SHARE_MIN_BYTES, RoutingOptions, VerlStableSection, parse
 
 __all__ = [
     "DEFAULT_OPTIONS",
@@ -29,9 +29,6 @@ MANAGER_FQN = "verl_stable.integration.rollout.CompactRoutingAgentLoopManagerTQ"
 """The dotted path recipes name; the package resolves it lazily (see :mod:`verl_stable.integration.rollout`)."""
 MANAGER_CONFIG_KEY = "actor_rollout_ref.rollout.agent.agent_loop_manager_class"
 OPTIONS_SECTION = "verl_stable.routing"
-DEFAULT_SHARE_MIN_BYTES = 1 << 21
-"""Default ``share_prompt_rows_min_bytes`` (2 MiB): below what the bytes a shared group saves are worth its side
-entry's round trips, measured on TransferQueue's SimpleStorage (docs/benchmarks.md, "Side entries: break-even")."""
 
 
 def uses_compact_routing(config: Any) -> bool:
@@ -65,42 +62,22 @@ class RolloutRoutingOptions:
     share_prompt_rows_min_bytes: int = DEFAULT_SHARE_MIN_BYTES
 
     def __post_init__(self) -> None:
-        if self.on_invalid not in ON_INVALID:
-            raise ValueError(f"{OPTIONS_SECTION}.on_invalid must be one of {ON_INVALID}, got {self.on_invalid!r}")
-        minimum = self.share_prompt_rows_min_bytes
-        if isinstance(minimum, bool) or not isinstance(minimum, int) or minimum < 0:
-            raise ValueError(
-                f"{OPTIONS_SECTION}.share_prompt_rows_min_bytes must be an int >= 0 (bytes), got {minimum!r}"
-            )
+        # the schema's check whether built from the config or in code
+        parse(RoutingOptions, dataclasses.asdict(self), OPTIONS_SECTION)
 
     @classmethod
     def from_config(cls, config: Any) -> RolloutRoutingOptions:
         """From the whole trainer config (DictConfig or mapping); missing section = defaults.
 
+        The ``verl_stable`` section is read with the schema (:class:`verl_stable.schema.VerlStableSection`).
+
         Raises:
-            ValueError: the section holds a key that is not an option (named, with the known ones), is not a
-                mapping, or a value is out of range.
+            verl_stable.schema.ConfigError: (a ``ValueError``) the section is not a mapping, holds a key that is
+                not an option, or a value of the wrong type or out of range; the message names the key.
         """
         section = config.get("verl_stable", None) if isinstance(config, Mapping) or hasattr(config, "get") else None
-        routing = section.get("routing", None) if section is not None else None
-        if routing is None:
-            return cls()
-        if not (isinstance(routing, Mapping) or hasattr(routing, "keys")):
-            raise ValueError(f"{OPTIONS_SECTION} must be a mapping of options, got {type(routing).__name__}")
-        known = tuple(f.name for f in dataclasses.fields(cls))
-        unknown = sorted(str(k) for k in routing.keys() if k not in known)
-        if unknown:
-            raise ValueError(
-                f"{OPTIONS_SECTION} has unknown key(s) {', '.join(unknown)}; known keys: {', '.join(known)}"
-            )
-        share = routing.get("share_prompt_rows", True)
-        if not isinstance(share, bool):
-            raise ValueError(f"{OPTIONS_SECTION}.share_prompt_rows must be true or false, got {share!r}")
-        return cls(
-            on_invalid=str(routing.get("on_invalid", "raise")),
-            share_prompt_rows=share,
-            share_prompt_rows_min_bytes=routing.get("share_prompt_rows_min_bytes", DEFAULT_SHARE_MIN_BYTES),
-        )
+        options = parse(VerlStableSection, section, "verl_stable").routing
+        return cls(**options.model_dump())
 
 
 DEFAULT_OPTIONS = RolloutRoutingOptions()
