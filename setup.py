@@ -13,7 +13,7 @@ setup(
     packages=find_packages(include=["verl_stable", "verl_stable.*"]),
     package_data={"verl_stable": ["recipes/*.yaml", "py.typed"]},
     # torch is deliberately not listed: install the right build (CPU or CUDA) first, see README.
-    install_requires=["verl==0.9.1"],
+    install_requires=["verl==0.9.1", "pydantic>=2.7,<3"],  # pydantic: the typed config schema (verl_stable.schema)
     extras_require={
         "cpu": ["transformers>=5.9,<5.11", "tokenizers", "matplotlib", "tqdm", "filelock"],
         "test": ["pytest", "pytest-asyncio", "hypothesis"],
