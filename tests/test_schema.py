@@ -272,3 +272,24 @@ def _loss_config(sections):
         while cause is not None and not isinstance(cause, ConfigError):
             cause = cause.__cause__ or cause.__context__
         raise (cause or exc) from None
+
+
+def test_the_configuration_doc_lists_every_key_of_the_schema():
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
+    sections = {
+        schema.MonitorOptions: "### `stable.monitor`",
+        schema.GuardOptions: "### `stable.guard`",
+        schema.RuleOptions: "A rule (`stable.guard.rules.<name>`)",
+        schema.RoutingOptions: "### `verl_stable.routing`",
+        schema.HFEngineOptions: "### `actor_rollout_ref.rollout.engine_kwargs.hf`",
+        schema.VllmEngineOptions: "### `actor_rollout_ref.rollout.engine_kwargs.vllm`",
+        schema.MiniRLOptions: "### `actor_rollout_ref.actor.policy_loss.minirl`",
+        schema.VespoOptions: "### `actor_rollout_ref.actor.policy_loss.minirl`",
+    }
+    for model, heading in sections.items():
+        assert heading in doc, heading
+        table = doc[doc.index(heading) :].split("\n#", 1)[0]
+        for name in model.model_fields:
+            assert f"`{name}`" in table or f".{name}`" in table, (heading, name)
