@@ -2,8 +2,9 @@
 
 Arguments are checked before anything starts: a bad one is refused with exit code 2 and a message saying what was
 expected (``doctor --model`` with a path that is not a checkpoint, ``run --precision fp9`` ...). ``doctor`` returns 1
-when a check fails, with one line per problem; a checkpoint whose ``config.json`` cannot be read or holds malformed
-counts gets that as its verdict, never a traceback.
+when a check fails, with one line per problem; a checkpoint whose ``config.json`` cannot be read, is nested deeper than
+the JSON parser allows, holds malformed counts or more than ``MAX_DECODER_LAYERS`` (2**16) decoder layers gets that
+as its verdict, never a traceback.
 """
 
 from __future__ import annotations
@@ -120,10 +121,15 @@ def model_config_problem(model: str | Path) -> str | None:
     Args:
         model: a checkpoint directory or its ``config.json``.
     """
+    # families imports torch: only when a model is checked
+    from verl_stable.routing.families import UnsupportedModelError, layer_count_problem, read_config_json
+
     path = Path(model)
     path = path / "config.json" if path.is_dir() else path
     try:
-        raw = json.loads(path.read_text())
+        raw = read_config_json(path)
+    except UnsupportedModelError as exc:  # nested deeper than json recurses: already a one-line verdict
+        return str(exc)
     except json.JSONDecodeError as exc:
         return f"{path} is not JSON ({exc.msg}, line {exc.lineno}); expected a JSON object"
     except (OSError, UnicodeDecodeError) as exc:
@@ -143,6 +149,9 @@ def model_config_problem(model: str | Path) -> str | None:
             value = section.get(name)
             if value is not None and not _is_count(value):
                 return f"{path}: {prefix}{name} must be an integer >= 0, got {value!r}"
+        too_many = layer_count_problem(f"{prefix}num_hidden_layers", section.get("num_hidden_layers"))
+        if too_many is not None:  # before transformers builds a per-layer list of that length
+            return f"{path}: {too_many}"
         layers = section.get("mlp_only_layers")
         if layers is not None and not (isinstance(layers, list) and all(_is_count(i) for i in layers)):
             return f"{path}: {prefix}mlp_only_layers must be a list of layer indices, got {layers!r}"

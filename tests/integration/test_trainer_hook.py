@@ -236,7 +236,7 @@ def test_stopping_verdict_ends_the_loop_and_names_the_last_good_checkpoint(sync_
     assert trip.rule == "non_finite" and trip.last_good_checkpoint is None
     exc = GuardTripped(sync_trainer._stable_trip)
     assert "step 7" in str(exc) and "global_step_" not in str(exc) and "actor/grad_norm=inf" in str(exc)
-    assert "last good checkpoint: none" in str(exc)
+    assert "last good checkpoint: none (no resumable checkpoint before the trip" in str(exc)  # saved, not resumable
 
 
 def test_warn_verdict_does_not_stop(registered, tmp_path):

@@ -156,6 +156,16 @@ def test_guard_tripped_survives_pickling_with_its_verdicts():
         GuardTripped([])
 
 
+def test_describe_without_a_checkpoint_says_none_was_resumable():
+    # Checkpoints may have been saved and still not be named: verl's rotation leaves older folders without weights,
+    # and a checkpoint the guard flagged is not good. So "none saved" would be wrong.
+    verdict = Verdict("non_finite", "stop_checkpoint", 9, {"actor/grad_norm": float("inf")}, "step 9: boom")
+    assert verdict.describe() == (
+        "step 9: boom; last good checkpoint: none (no resumable checkpoint before the trip that no rule flagged)"
+    )
+    assert Verdict("non_finite", "stop", 9, {}, "step 9: boom").describe() == "step 9: boom"
+
+
 def test_last_good_checkpoint_step():
     # weights saved at c produce the rollout measured at c + 1
     assert last_good_checkpoint_step([2, 4, 6, 8], trip_step=9, flagged_steps={9}) == 6

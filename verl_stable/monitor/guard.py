@@ -144,10 +144,15 @@ class Verdict:
         return self.action != "warn"
 
     def describe(self) -> str:
-        """The message, plus the checkpoint to resume from for ``stop_checkpoint``."""
+        """The message, plus the checkpoint to resume from for ``stop_checkpoint``.
+
+        Without one the text says that no checkpoint before the trip is both resumable and unflagged, not that none
+        was saved: verl's rotation leaves older ``global_step_<n>/`` folders without their weights, and a checkpoint
+        a rule flagged is not good (see :func:`last_good_checkpoint_step`).
+        """
         if self.action != "stop_checkpoint":
             return self.message
-        where = self.last_good_checkpoint or "none saved before the trip"
+        where = self.last_good_checkpoint or "none (no resumable checkpoint before the trip that no rule flagged)"
         return f"{self.message}; last good checkpoint: {where}"
 
 

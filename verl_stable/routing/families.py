@@ -23,8 +23,9 @@ instance to its routing sites) and the ``verl-stable doctor --model`` report. Co
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -214,6 +215,85 @@ def family_for(config: Any) -> FamilySpec:
     )
 
 
+#: The most decoder layers a config may declare: 2**16. The deepest published decoder stacks have ~130 layers
+#: (Llama-3.1-405B: 126, Qwen3-235B-A22B: 94, DeepSeek-V3: 61), and at 2**16 every per-layer structure (transformers'
+#: ``layer_types``, the MoE-layer tuples below, the doctor report's lists) stays under a megabyte and a second to build.
+#: A config declaring 10**9 layers would instead make them gigabytes before anything could report on it. Checked
+#: before transformers builds a config from a file or dict, and before a MoE-layer rule runs.
+MAX_DECODER_LAYERS = 65536
+
+
+def layer_count_problem(attr: str, value: Any) -> str | None:
+    """Why a declared ``num_hidden_layers`` is refused as absurd; None when it is within :data:`MAX_DECODER_LAYERS`.
+
+    Only the bound is judged here (a non-integer is left to the type checks of the caller).
+
+    Args:
+        attr: the name to report, e.g. ``num_hidden_layers`` or ``text_config.num_hidden_layers``.
+        value: the declared value.
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > MAX_DECODER_LAYERS:
+        return (
+            f"{attr} must be <= {MAX_DECODER_LAYERS} (the most decoder layers verl-stable accepts), got {value!r:.40}"
+        )
+    return None
+
+
+def _check_config_sizes(raw: Mapping) -> None:
+    """Refuse a raw config (a parsed config.json) whose layer count is absurd, before transformers expands it."""
+    sections = [("", raw)]
+    if isinstance(raw.get("text_config"), Mapping):
+        sections.append(("text_config.", raw["text_config"]))
+    for prefix, section in sections:
+        problem = layer_count_problem(f"{prefix}num_hidden_layers", section.get("num_hidden_layers"))
+        if problem is not None:
+            raise UnsupportedModelError(f"config {problem}")
+
+
+#: The deepest nesting of JSON arrays / objects a config.json may have (the top-level object is level 1). Model configs
+#: nest fewer than ten levels (``quantization_config.config_groups.group_0.weights``); transformers copies and
+#: compares a config recursively, several stack frames per level, and hits Python's recursion limit at a few hundred.
+MAX_CONFIG_DEPTH = 64
+
+
+def _nesting_exceeds(value: Any, limit: int) -> bool:
+    """Whether arrays / objects in a parsed JSON value nest deeper than ``limit``; iterative, so it cannot recurse."""
+    stack = [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        if level > limit:
+            return True
+        stack.extend((child, level + 1) for child in children)
+    return False
+
+
+def read_config_json(path: Path) -> Any:
+    """Parse a ``config.json``, refusing nesting deeper than :data:`MAX_CONFIG_DEPTH` as malformed (not a crash).
+
+    Raises:
+        UnsupportedModelError: If arrays / objects nest deeper than :data:`MAX_CONFIG_DEPTH`, including files too
+            deep for the JSON parser itself (it recurses once per level and raises ``RecursionError``).
+        OSError: If the file cannot be read.
+        UnicodeDecodeError: If the file is not text.
+        json.JSONDecodeError: If the file is not JSON.
+    """
+    text = path.read_text()
+    try:
+        raw = json.loads(text)
+        too_deep = _nesting_exceeds(raw, MAX_CONFIG_DEPTH)
+    except RecursionError:
+        too_deep = True  # deeper than the parser recurses, so far deeper than the bound
+    if too_deep:
+        raise UnsupportedModelError(
+            f"malformed config.json: {path} nests JSON arrays / objects more than {MAX_CONFIG_DEPTH} levels deep "
+            "(a model config nests fewer than ten)"
+        )
+    return raw
+
+
 def layout_from_config(config: Any) -> RoutingLayout:
     """The RoutingLayout a config implies (raises UnsupportedModelError for unknown or expert-less models)."""
     spec = family_for(config)
@@ -221,6 +301,9 @@ def layout_from_config(config: Any) -> RoutingLayout:
     num_experts = config_int(text, spec.num_experts_attr, 0)
     top_k = config_int(text, spec.top_k_attr, 0)
     num_hidden_layers = config_int(text, "num_hidden_layers", minimum=1)
+    too_many = layer_count_problem("num_hidden_layers", num_hidden_layers)
+    if too_many is not None:  # before the MoE-layer rule builds a tuple of that length
+        raise UnsupportedModelError(f"config {too_many}")
     moe_layers = spec.moe_layers(text)
     if num_experts <= 0 or top_k <= 0 or not moe_layers:
         raise UnsupportedModelError(
@@ -399,6 +482,7 @@ def _load_config(source: Any) -> Any:
             raise UnsupportedModelError(
                 f"config dict has no string 'model_type' (got {source.get('model_type')!r:.80})"
             )
+        _check_config_sizes(source)
         kwargs = {k: v for k, v in source.items() if k != "model_type"}
         try:
             return AutoConfig.for_model(source["model_type"], **kwargs)
@@ -412,6 +496,13 @@ def _load_config(source: Any) -> Any:
             path = path.parent
         if not (path / "config.json").is_file():
             raise UnsupportedModelError(f"no config.json under {str(source)!r}")
+        # read here first: transformers would recurse without bound and expand an absurd layer count (see above)
+        try:
+            raw = read_config_json(path / "config.json")
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raw = None  # not JSON at all: transformers reports that in its own words, as before
+        if isinstance(raw, Mapping):
+            _check_config_sizes(raw)
         return AutoConfig.from_pretrained(str(path), trust_remote_code=False)
     return source
 
