@@ -124,7 +124,7 @@ def test_config_of_the_wrong_type_raises_type_error_naming_the_rule(config, matc
         ),
         (
             {"rules": {"train_inference_kl": {"threshold": "nan"}}},
-            r"rules\.train_inference_kl\.threshold must be a finite number, got str 'nan'",
+            r"rules\.train_inference_kl\.threshold must be a finite number, got float nan",
         ),
         (
             {"rules": {"f5": {"condition": "above", "metrics": [], "threshold": 1}}},

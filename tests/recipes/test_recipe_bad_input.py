@@ -219,7 +219,8 @@ def test_run_recipe_refuses_bad_arguments(tmp_path, no_run):
 
 def test_run_cpu_refuses_what_verls_conversion_would_reject_at_run_time(tmp_path, capsys, no_run):
     err = _refused(["run-cpu", "vespo", "--workdir", str(tmp_path), "+stable.monitor.entropy_windw=3"], capsys)
-    assert "verl rejects the config:" in err and "entropy_windw" in err
+    # verl-stable's own section is refused by its schema, before verl's conversion, naming the key and the known ones
+    assert "stable.monitor.entropy_windw: unknown key (known: enable, entropy_window," in err
 
 
 @pytest.mark.parametrize("regime", list(R.REGIMES))
