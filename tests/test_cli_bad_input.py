@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -292,3 +293,23 @@ def test_run_refuses_a_workdir_in_a_symlink_loop(tmp_path, no_work, capsys):
         err = _refused(["run", "--workdir", str(workdir)], capsys)
         assert f"--workdir {workdir} cannot be resolved" in err and "symlink loop" in err.lower()
         assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("verl-stable run: error: --workdir")
+
+
+def test_doctor_keeps_third_party_messages_out_of_its_verdict(tmp_path):
+    """In a terminal (real file descriptors, as a user runs it): the verdict on stdout, verl's and vLLM's warnings
+    appended to --log, nothing on stderr, and an existing log is not truncated."""
+    log = tmp_path / "doctor.log"
+    log.write_text("an earlier line\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "verl_stable.cli", "doctor", "--log", str(log)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stderr == ""
+    assert done.stdout.startswith("verl-stable doctor\n") and "all checks passed" in done.stdout
+    assert "UserWarning" not in done.stdout and "WARNING" not in done.stdout
+    text = log.read_text()
+    assert text.startswith("an earlier line\n") and "engine is not available" in text
+    assert f"(third-party messages of the check: {log}; --verbose prints them here)" in done.stdout

