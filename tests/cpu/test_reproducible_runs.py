@@ -6,6 +6,12 @@ the mini-batches), 2 steps of 2 prompts x 4 samples, fp8 rollout weights on the 
 batching on, the toy task's partial-credit reward (a random model scores above zero with it). Before issue #17 two
 runs of one seed already differed at step 1 (reward 0.081 vs 0.125, ``actor/pg_loss`` 0.118 vs -0.203).
 
+Every run uses two agent-loop workers (issue #25; the CPU runtime's default is one): verl splits each dispatch over
+them and they finish in any order, so the order samples reach the trainer comes only from the dispatch order the
+project restores (``stable_sync``: the manager's ``DispatchLedger``). A fourth run takes verl's own ``sync`` trainer
+with the same seed: there the workers put samples in dispatch order, across workers through the global turns the
+first worker holds (``DispatchTurns``), and the run must log what the ``stable_sync`` run logged.
+
 What is compared: every value that follows from the sampled tokens (rewards, scores, advantages, response lengths)
 must be equal exactly; values computed from the rollout's log-probs (losses, IS weights, KL estimates) to 1e-5. The
 ``hf`` server's batched matrix products may round a request's log-probs differently (a few 1e-7) when it shares its
@@ -40,9 +46,11 @@ CLOSE_KEYS = (
 TOL = 1e-5
 # neither a value of the run nor a function of it: wall-clock and resource figures
 VOLATILE = ("timing", "perf/", "time", "throughput", "memory")
+AGENT_WORKERS = "actor_rollout_ref.rollout.agent.num_workers"
+TRAINER_MODE = "trainer.v1.trainer_mode"
 
 
-def _run(workdir, assets, name: str, seed: int) -> list[dict]:
+def _run(workdir, assets, name: str, seed: int, trainer_mode: str = "stable_sync") -> list[dict]:
     overrides = V.run_overrides(
         "minirl",
         assets,
@@ -54,6 +62,8 @@ def _run(workdir, assets, name: str, seed: int) -> list[dict]:
         reward_path=tasks.__file__,
         workdir=workdir / name,
     )
+    replaced = {AGENT_WORKERS: "2", TRAINER_MODE: trainer_mode}
+    overrides = [o for o in overrides if V.override_key(o) not in replaced] + [f"{k}={v}" for k, v in replaced.items()]
     run_dir = workdir / name
     proc = run_main_ppo(overrides, run_dir, timeout_s=TIMEOUT_S)
     assert proc.returncode == 0, (run_dir / "main_ppo.log").read_text()[-6000:]
@@ -66,7 +76,8 @@ def runs(cpu_assets, tmp_path_factory):
     first = _run(workdir, cpu_assets, "seed0_a", 0)
     again = _run(workdir, cpu_assets, "seed0_b", 0)
     other = _run(workdir, cpu_assets, "seed1", 1)
-    return first, again, other
+    verl_sync = _run(workdir, cpu_assets, "seed0_verl_sync", 0, trainer_mode="sync")
+    return first, again, other, verl_sync
 
 
 def _values(rows: list[dict]) -> dict[tuple[int, str], float]:
@@ -97,7 +108,7 @@ def test_one_seed_twice_gives_the_same_samples_rewards_and_losses(runs):
 
 
 def test_another_seed_samples_something_else(runs):
-    first, _, other = (_values(r) for r in runs)
+    first, _, other, _ = (_values(r) for r in runs)
     changed = [
         key
         for key in first
@@ -105,3 +116,16 @@ def test_another_seed_samples_something_else(runs):
         and other[key] != pytest.approx(first[key], rel=TOL, abs=TOL)
     ]
     assert changed, "seed 1 logged the same rewards, response lengths and losses as seed 0"
+
+
+def test_verls_own_sync_trainer_with_two_workers_logs_the_same_run(runs):
+    """Same seed under verl's ``sync`` (no monitor: only the metrics both log are compared): ordered puts across the
+    two workers give the trainer the batches ``stable_sync`` sorted by its ledger, hence the same samples, rewards and
+    losses."""
+    first, verl_sync = _values(runs[0]), _values(runs[3])
+    shared = first.keys() & verl_sync.keys()
+    assert {k for _, k in shared} >= {"critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm"}
+    exact = {key for key in shared if key[1].startswith(EXACT_PREFIXES)}
+    assert {key: first[key] for key in exact} == {key: verl_sync[key] for key in exact}
+    differ = [k for k in shared if verl_sync[k] != pytest.approx(first[k], rel=TOL, abs=TOL)]
+    assert differ == []

@@ -17,6 +17,7 @@ from verl_stable.integration import rollout
 from verl_stable.routing.codecs import (
     BoundaryStats,
     ExpertIdRangeError,
+    LayerMapError,
     RoutedRows,
     RowCountError,
     ZeroRoutingError,
@@ -166,6 +167,8 @@ def test_boundary_counters_travel_with_each_sample():
         f"{prefix}bytes_per_token": moved / 25,
         f"{prefix}bytes_ratio": moved / (sum(verl_bytes) + 100),
         f"{prefix}error/ZeroRoutingError": 1.0,
+        f"{prefix}truncated_samples": 0.0,  # none reached response_length (test_a_conversation_cut_...)
+        f"{prefix}trimmed_rows": 0.0,
         f"{prefix}prompt_groups_shared": 0.0,  # sharing is the worker's (test_prompt_sharing.py)
         f"{prefix}shared_prompt_rows": 0.0,
         f"{prefix}prompt_rows_deduplicated": 0.0,
@@ -311,6 +314,129 @@ def test_manager_resolves_by_fqn_and_worker_postprocess_puts_compact_fields(monk
 def test_register_checks_verl_interfaces():
     names = rollout.register()
     assert names and rollout.MANAGER_FQN in names[0]
+
+
+# ------------------------------------------------------------- a multi-turn conversation cut at response_length
+ENGINE_ROWS = vllm_routing(np.random.default_rng(11), 64)
+"""The engine stand-in's routing by token position: a later turn's rows extend the earlier turn's, as vLLM's do."""
+
+
+class _EngineStandIn:
+    """vLLM's part of verl's server client: every turn generates ``max_tokens`` digits (no EOS) and returns vLLM's
+    routing rows for each position fed through the model (prompt so far + generated tokens - 1)."""
+
+    def __init__(self, tokenizer):
+        self.tokens = tokenizer.convert_tokens_to_ids(["1", "2", "3", "4", "5", "6"])
+
+    async def generate(self, *, request_id, prompt_ids, sampling_params, **kwargs):
+        from verl.workers.rollout.replica import TokenOutput
+
+        n = int(sampling_params["max_tokens"])
+        return TokenOutput(token_ids=self.tokens[:n], routed_experts=ENGINE_ROWS[: len(prompt_ids) + n - 1].copy())
+
+
+@pytest.fixture(scope="module")
+def multi_turn(tmp_path_factory):
+    """Runs verl's own ``ToolAgentLoop`` (through the project's simulated user, :mod:`verl_stable.cpu.interactions`:
+    answer, the question again, answer, 4 tokens per assistant turn) on the tiny tokenizer; returns a function of
+    ``response_length`` giving verl's ``AgentLoopOutput``: prompt 10 tokens, conversation 18 (4 generated, 10 of the
+    user turn, 4 generated)."""
+    import os
+
+    import verl
+    from hydra import compose, initialize_config_dir
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap
+
+    from verl_stable.cpu import assets, interactions
+
+    tokenizer = assets.build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+
+    def run(response_length: int) -> AgentLoopOutput:
+        overrides = [
+            "data.max_prompt_length=16",
+            f"data.max_response_length={response_length}",
+            "actor_rollout_ref.rollout.multi_turn.max_user_turns=1",
+        ]
+        with initialize_config_dir(config_dir=config_dir, version_base=None):
+            config = compose(config_name="ppo_trainer", overrides=overrides)
+        assert config.actor_rollout_ref.rollout.response_length == response_length
+
+        async def conversation():  # verl's loop binds the running event loop when it is built
+            loop = interactions.UserSimulatorAgentLoop(
+                DictConfigWrap(config),
+                _EngineStandIn(tokenizer),
+                tokenizer,
+                None,
+                None,
+                DictConfigWrap(config.data),
+                hf_model_type="qwen3_moe",
+            )
+            return await loop.run({}, raw_prompt=[{"role": "user", "content": "copy 7"}])
+
+        return asyncio.run(conversation())
+
+    return run
+
+
+def test_a_conversation_cut_at_response_length_is_accepted_and_its_extra_row_trimmed(multi_turn):
+    """verl cuts the response to R and the routing to prompt + R rows; the last kept token's row fed only the cut
+    token: it is validated, trimmed and counted, and every row of a trained token is the engine's own."""
+    for response_length, trimmed in ((16, 1), (15, 1), (18, 0), (32, 0)):
+        output = multi_turn(response_length)
+        prompt_len, response = len(output.prompt_ids), len(output.response_ids)
+        assert (prompt_len, output.num_turns) == (10, 4)
+        assert response == min(18, response_length) and output.response_mask[-1] == 1
+        # what verl hands over: the last request's rows, cut to prompt + R (one past the last kept token when cut)
+        assert output.routed_experts.shape[0] == prompt_len + response - 1 + trimmed
+        reference = output.model_copy(deep=True).as_dict()["routed_experts"]  # verl's own int16 layout
+        stats = BoundaryStats()
+        compact = rollout.compact_agent_loop_output(output, LAYOUT, stats=stats, response_length=response_length)
+        d = compact.as_dict()
+        kept = prompt_len + response - 1
+        assert d[SPAN_FIELD].tolist() == [0, kept], response_length
+        np.testing.assert_array_equal(d[IDS_FIELD].numpy(), ENGINE_ROWS[:kept, list(LAYOUT.moe_layers)])
+        assert torch.equal(d[IDS_FIELD].long(), reference[:kept, list(LAYOUT.moe_layers)].long())
+        assert (stats.samples, stats.skipped_samples) == (1, 0)
+        assert (stats.truncated_samples, stats.trimmed_rows) == (trimmed, trimmed)
+        assert compact.extra_fields["stable_routing_missing_positions"] == 1  # the last token, as for any sample
+        counters = d[rollout.BOUNDARY_FIELD]
+        columns = {name: i for i, name in enumerate(rollout.BOUNDARY_COLUMNS)}
+        assert counters[columns["trimmed_rows"]] == trimmed and counters[columns["recorded_rows"]] == kept
+        metrics = rollout.transport_metrics(counters.unsqueeze(0))
+        prefix = rollout.TRANSPORT_METRIC_PREFIX
+        assert metrics[f"{prefix}truncated_samples"] == metrics[f"{prefix}trimmed_rows"] == trimmed
+        assert metrics[f"{prefix}missing_positions"] == 1 and metrics[f"{prefix}skipped_samples"] == 0
+
+
+def test_a_cut_conversation_is_refused_without_the_limit_and_malformed_payloads_still_are(multi_turn):
+    """The extra row is accepted only at the limit verl cut at, only one, and only when valid."""
+    output = multi_turn(16)
+    rows = output.routed_experts
+    # the refusal this accepts: the boundary that does not know the limit (before the fix, every cut sample)
+    with pytest.raises(RowCountError, match="26 routed rows, expected 25"):
+        rollout.compact_agent_loop_output(output.model_copy(deep=True), LAYOUT)
+    # a larger limit: the response did not reach it, so nothing was cut and an extra row is malformed
+    with pytest.raises(RowCountError, match="26 routed rows, expected 25"):
+        rollout.compact_agent_loop_output(output.model_copy(deep=True), LAYOUT, response_length=32)
+    cases = {
+        "two extra rows": (np.concatenate([rows, rows[-1:]]), RowCountError, "27 routed rows, expected 25"),
+        "one row short of the trained tokens": (rows[:24], RowCountError, "24 routed rows, expected 25"),
+        "the extra row corrupt": (rows.copy(), ExpertIdRangeError, "token position 25"),
+        "top-1 rows": (rows[:, :, :1], LayerMapError, "top-1"),
+    }
+    cases["the extra row corrupt"][0][25, LAYOUT.moe_layers[0], 0] = LAYOUT.num_experts  # validated before the trim
+    for name, (payload, error, message) in cases.items():
+        bad = output.model_copy(deep=True)
+        bad.routed_experts = payload
+        with pytest.raises(error, match=message):
+            rollout.compact_agent_loop_output(bad, LAYOUT, response_length=16)
+        stats = BoundaryStats()
+        skipped = rollout.compact_agent_loop_output(
+            bad, LAYOUT, rollout.RolloutRoutingOptions(on_invalid="skip_sample"), stats, response_length=16
+        )
+        assert skipped.as_dict()[SPAN_FIELD].tolist() == [0, 0], name  # trained on the model's own routing
+        assert (stats.skipped_samples, stats.truncated_samples, stats.trimmed_rows) == (1, 0, 0), name
 
 
 # ------------------------------------------------------------------------------------------------ end to end

@@ -22,10 +22,11 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopO
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
 
 from verl_stable.integration import rollout
-from verl_stable.integration.rollout.agent_loop import OCCURRENCE_FIELD, ORDERED_PUT_MODES
+from verl_stable.integration.rollout.agent_loop import OCCURRENCE_FIELD, ORDERED_PUT_MODES, TURN_FIELD
 from verl_stable.integration.rollout.seeding import (
     MAX_SEED,
     DispatchLedger,
+    DispatchTurns,
     PromptOccurrences,
     PutOrder,
     RolloutSeeding,
@@ -383,3 +384,112 @@ def test_worker_seeds_with_the_managers_numbering(monkeypatch):
         seeds.append([seen[("a", i)]["seed"] for i in (0, 1)])
     key = prompt_content_key({"raw_prompt": "max 3 8 1", "index": 0})
     assert seeds == [[sample_seed(5, 1, False, key, o, i) for i in (0, 1)] for o in (0, 1)]
+
+
+# ------------------------------------------------------------------------------ several workers, verl's sync
+def _two_workers(prompts: list[dict], monkeypatch, delays: dict[tuple[int, int], float], turns):
+    """verl's ``chunk`` of one dispatch over two workers (``a, b`` | ``c``) running concurrently, each sample put
+    after ``delays[(prompt, session)]``; ``turns``: the groups' global turns (None: each worker orders only its own)."""
+    puts = _Puts()
+    monkeypatch.setattr(tq, "async_kv_put", puts.async_kv_put)
+    monkeypatch.setattr(tq, "async_kv_batch_put", puts.async_kv_batch_put)
+    position = {p["uid"]: i for i, p in enumerate(prompts)}
+
+    async def llm_call(self, sampling_params, trajectory, *, agent_name, trace=True, **kwargs):
+        assert TURN_FIELD not in kwargs  # the manager's column never reaches the agent loop
+        await asyncio.sleep(delays.get((position[kwargs["uid"]], kwargs["session_id"]), 0.0))
+        output = AgentLoopOutput(
+            prompt_ids=[1, 2, 3], response_ids=[4, 5], response_mask=[1, 1], metrics=AgentLoopMetrics()
+        )
+        return await self._agent_loop_postprocess(output, trajectory["validate"], **kwargs)
+
+    monkeypatch.setattr(verl_agent_loop.AgentLoopWorker, "_run_agent_loop", llm_call)
+    workers = [_worker(2, run_seed=5), _worker(2, run_seed=5)]
+    if turns is not None:
+        first = turns.reserve(len(prompts))  # the manager numbers the batch before verl chunks it
+        prompts = [{**p, TURN_FIELD: torch.tensor(first + i)} for i, p in enumerate(prompts)]
+        for worker in workers:
+            worker.stable_set_turns(turns)
+    chunks = [prompts[:2], prompts[2:]]
+
+    async def run() -> None:
+        tasks = [
+            asyncio.create_task(worker._run_prompt(dict(p), {"temperature": 1.0}, {"validate": False, "step": 1}))
+            for worker, chunk in zip(workers, chunks, strict=True)
+            for p in chunk
+        ]
+        await asyncio.gather(*tasks)
+
+    asyncio.run(run())
+    return puts, workers
+
+
+def test_two_workers_under_verls_sync_put_in_global_dispatch_order(monkeypatch):
+    """Each worker orders its own puts; without the manager's global turns the second worker's samples, finished
+    first, are put before the first worker's, so verl's replay buffer (which lists samples in put order) hands the
+    trainer a batch in completion order across workers."""
+    slow_first_worker = {(0, 0): 0.04, (0, 1): 0.03, (1, 0): 0.02}
+    dispatch_order = [f"{u}_{i}_0" for u in "abc" for i in range(2)]
+    unordered, _ = _two_workers(_prompts(["a", "b", "c"]), monkeypatch, slow_first_worker, turns=None)
+    assert unordered.samples[:2] == ["c_0_0", "c_1_0"] and unordered.samples != dispatch_order
+    turns = DispatchTurns()
+    ordered, workers = _two_workers(_prompts(["a", "b", "c"]), monkeypatch, slow_first_worker, turns=turns)
+    assert ordered.samples == dispatch_order
+    assert all(ordered.tags[u]["status"] == "finished" for u in "abc")
+    assert turns.pending == 0 and all(w.stable_seeding.groups == {} for w in workers)
+    # the next dispatch goes on from where this one ended; a failed group releases its turn
+    again, _ = _two_workers(_prompts(["x", "y", "z"]), monkeypatch, {(2, 0): 0.0, (0, 0): 0.02}, turns=turns)
+    assert again.samples == [f"{u}_{i}_0" for u in "xyz" for i in range(2)] and turns.pending == 0
+
+
+def test_a_failed_group_does_not_hold_back_the_other_workers(monkeypatch):
+    verl_worker_tq = AgentLoopWorkerTQ.__ray_actor_class__
+    real = verl_worker_tq._agent_loop_postprocess
+
+    async def failing(self, output, validate, **kwargs):
+        if kwargs["uid"] == "a":
+            raise RuntimeError("reward worker died")
+        return await real(self, output, validate, **kwargs)
+
+    monkeypatch.setattr(verl_worker_tq, "_agent_loop_postprocess", failing)
+    turns = DispatchTurns()
+    puts, _ = _two_workers(_prompts(["a", "b", "c"]), monkeypatch, {(0, 0): 0.03, (0, 1): 0.03}, turns=turns)
+    assert puts.samples == ["b_0_0", "b_1_0", "c_0_0", "c_1_0"]
+    assert puts.tags["a"]["status"] == "failure" and turns.pending == 0
+
+
+def test_dispatch_turns_let_a_group_go_after_every_earlier_one():
+    async def scenario() -> list[int]:
+        turns, done = DispatchTurns(), []
+        assert turns.reserve(3) == 0 and turns.reserve(2) == 3
+
+        async def group(ordinal: int, finish_after: float) -> None:
+            await asyncio.sleep(finish_after)
+            await turns.wait_turn(ordinal)
+            done.append(ordinal)
+            turns.release(ordinal)
+
+        await asyncio.gather(*[group(o, 0.01 * (5 - o)) for o in range(5)])
+        return done
+
+    assert asyncio.run(scenario()) == [0, 1, 2, 3, 4]
+
+
+def test_manager_numbers_group_turns_only_under_verls_sync_with_several_workers(monkeypatch):
+    manager_cls = rollout.CompactRoutingAgentLoopManagerTQ
+    sent = []
+    monkeypatch.setattr(AgentLoopManagerTQ, "generate_sequences", lambda self, prompts: sent.append(prompts))
+    for mode, workers, numbered in (("sync", 2, True), ("sync", 1, False), ("stable_sync", 2, False)):
+        manager = manager_cls.__new__(manager_cls)
+        config = {"actor_rollout_ref": {"rollout": {"agent": {"num_workers": workers}}, "model": {}}}
+        config["trainer"] = {"v1": {"trainer_mode": mode}}
+        manager_cls.__init__(manager, config=OmegaConf.create(config), llm_client=None)
+        assert manager.stable_wants_turns() is numbered, (mode, workers)
+        manager.stable_turns = DispatchTurns() if numbered else None  # what _init_agent_loop_workers starts
+        sent.clear()
+        manager.generate_sequences(_verl_batch(["max 3 8 1", "max 2 2 9", "max 3 8 1"], step=1))
+        manager.generate_sequences(_verl_batch(["max 2 2 9"], step=1))
+        if numbered:
+            assert [b[TURN_FIELD].tolist() for b in sent] == [[0, 1, 2], [3]]
+        else:
+            assert all(TURN_FIELD not in b.keys() for b in sent)

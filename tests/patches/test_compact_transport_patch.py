@@ -35,7 +35,8 @@ OTHER_PATCHES = sorted(p for p in PATCHES.glob("*.diff") if p != PATCH)
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is needed to apply the patch")
 
 # (prompt_len, response_mask, extra rows over prompt_len + last generated - 1): single turn, multi-turn with tool
-# output after the last turn, and a response cut at response_length while the engine went on (one more row).
+# output after the last turn, and a response cut at response_length while the engine went on (one more row). Each
+# is stored with response_length = len(response_mask): the limit the cut sample reached, one the others respected.
 SAMPLES = [
     (5, [1] * 7, 0),
     (4, [1, 1, 1, 0, 0, 1, 1, 0, 0], 0),
@@ -73,8 +74,9 @@ def _vllm_routing(layout, rows: int, seed: int) -> np.ndarray:
 # prompt rows once per group: two groups of n = 4 (deepseek_v3 layout); in g1 session 2's prompt rows differ (an
 # engine may route the same prompt differently across requests); sessions finish out of order (delays)
 SHARE_N, SHARE_PROMPT_LEN, SHARE_DIFFERING, SHARE_FIRST = 4, 5, 2, 1
-SHARE_MASKS = [[1] * 6, [1, 1, 1, 0, 0, 1, 1, 0], [1] * 3, [1, 1, 1, 1, 1]]
+SHARE_MASKS = [[1] * 6, [1, 1, 1, 0, 0, 1, 1, 0], [1] * 3, [1] * 8]
 SHARE_EXTRA = [0, 0, 0, 1]  # session 3 was cut at response_length: one more row
+SHARE_RESPONSE_LENGTH = 8  # the worker's rollout.response_length
 SHARE_DELAYS = [0.02, 0.0, 0.01, 0.03]
 
 
@@ -91,7 +93,18 @@ def _sharing_fixture() -> dict:
                 routing[:SHARE_PROMPT_LEN] = prompt
             sessions.append((SHARE_PROMPT_LEN, mask, routing, SHARE_DELAYS[s]))
         groups[uid] = sessions
-    return {"config": config, "n": SHARE_N, "groups": groups, "shared_session": 0}
+    return {
+        "config": config,
+        "n": SHARE_N,
+        "groups": groups,
+        "shared_session": 0,
+        "response_length": SHARE_RESPONSE_LENGTH,
+    }
+
+
+def _kept_rows(prompt_len: int, mask: list[int]) -> int:
+    """Rows of the tokens a sample trains on: every token fed to the engine before its last generated one."""
+    return prompt_len + max(j for j, m in enumerate(mask) if m)
 
 
 def _fixtures(family: str):
@@ -146,7 +159,7 @@ PROBE = textwrap.dedent(
 
     for family, (config, samples) in args["families"].items():
         layout = rr.RoutingLayout.from_hf_config(config)
-        fields = [output(*s).as_dict(routing_layout=layout) for s in samples]
+        fields = [output(*s).as_dict(routing_layout=layout, response_length=len(s[1])) for s in samples]
         default = [output(*s).as_dict()["routed_experts"] for s in samples]  # patched, routing_layout omitted
         keep = ("prompts", "responses", rr.ROUTING_IDS_KEY, rr.ROUTING_LAYOUT_KEY)
         td = list_of_dict_to_tensordict([{k: f[k] for k in keep} for f in fields])
@@ -185,7 +198,7 @@ PROBE = textwrap.dedent(
     family = "deepseek_v3"
     config, samples = args["families"][family]
     layout = rr.RoutingLayout.from_hf_config(config)
-    stored = [output(*s).as_dict(routing_layout=layout) for s in samples]
+    stored = [output(*s).as_dict(routing_layout=layout, response_length=len(s[1])) for s in samples]
     for fields, s in zip(stored, samples):
         rr.share_prompt_rows_(fields, s[0], None)  # what AgentLoopWorkerTQ stores: a zero prompt reference
     store = list_of_dict_to_tensordict(stored)
@@ -241,6 +254,15 @@ PROBE = textwrap.dedent(
     catch("all_zero_moe_row", with_routing(set_((2, 4), 0)))
     catch("dense_layer_routed", with_routing(set_((5, 0, 0), 3)))
     catch("dense_model", lambda: rr.RoutingLayout.from_hf_config(args["dense_config"]))
+    # the extra row of a response cut at response_length: only at that limit (then trimmed), never elsewhere
+    cut_len, cut_mask, cut_routing = samples[2]
+    catch("cut_at_limit", lambda: output(cut_len, cut_mask, cut_routing).as_dict(routing_layout=layout, response_length=len(cut_mask)))
+    catch("extra_row_below_limit", lambda: output(cut_len, cut_mask, cut_routing).as_dict(routing_layout=layout, response_length=len(cut_mask) + 1))
+    catch("extra_row_limit_unknown", lambda: output(cut_len, cut_mask, cut_routing).as_dict(routing_layout=layout))
+    catch("two_extra_rows", lambda: output(cut_len, cut_mask, __import__("numpy").concatenate([cut_routing, cut_routing[-1:]])).as_dict(routing_layout=layout, response_length=len(cut_mask)))
+    bad_extra = cut_routing.copy().astype("int64")
+    bad_extra[-1, 1, 0] = 64  # only the row that is trimmed: validated before the trim
+    catch("extra_row_out_of_range", lambda: output(cut_len, cut_mask, bad_extra).as_dict(routing_layout=layout, response_length=len(cut_mask)))
     ids = output(*samples[0]).as_dict(routing_layout=layout)
     seq_len = samples[0][0] + len(samples[0][1])
     catch("expand_too_many_rows", lambda: rr.expand_routed_experts([ids[rr.ROUTING_IDS_KEY]], [ids[rr.ROUTING_LAYOUT_KEY]], [3]))
@@ -323,6 +345,7 @@ PROBE = textwrap.dedent(
     layout = rr.RoutingLayout.from_hf_config(share["config"])
     worker = object.__new__(agent_loop_tq.AgentLoopWorkerTQ.__ray_actor_class__)
     worker.routing_layout, worker.routing_prompt_groups = layout, {}
+    worker.routing_response_length = share["response_length"]
     worker.config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"n": share["n"], "val_kwargs": {"n": 1}}}})
     async def no_score(outputs, kwargs):
         return None
@@ -449,6 +472,11 @@ def _original_as_dict(prompt_len: int, mask: list[int], routing: np.ndarray) -> 
     return out.as_dict()["routed_experts"]
 
 
+def _trained_reference(prompt_len: int, mask: list[int], routing: np.ndarray) -> torch.Tensor:
+    """verl 0.9.1's conversion of the rows of trained tokens (a cut response's extra row trimmed, as the patch does)."""
+    return _original_as_dict(prompt_len, mask, routing[: _kept_rows(prompt_len, mask)])
+
+
 # ---------------------------------------------------------------------------------------------------- applying
 def test_patch_applies_cleanly_to_installed_verl():
     proc = subprocess.run(
@@ -489,15 +517,33 @@ def test_applies_together_with_other_patches_in_either_order(other, order, tmp_p
 # ------------------------------------------------------------------------------------------------- round trip
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe", "mixtral"])
 def test_round_trip_equals_verl_original_on_every_token(probe, family):
+    """The expansion is verl's unpatched ``as_dict`` of the rows of trained tokens; without a layout the patched
+    ``as_dict`` is verl's own, the extra row of a cut response included."""
     _, layout, samples = _fixtures(family)
     got = probe["families"][family]
     for i, (prompt_len, mask, routing) in enumerate(samples):
-        reference = _original_as_dict(prompt_len, mask, routing)
+        reference = _trained_reference(prompt_len, mask, routing)
         assert reference.dtype == torch.int16 and reference.shape[0] == prompt_len + len(mask)
-        assert reference[: routing.shape[0]].any(), "fixture must carry routing"
-        for key in ("expanded", "expanded_jagged", "default"):
+        assert reference[: routing.shape[0] - 1].any(), "fixture must carry routing"
+        for key in ("expanded", "expanded_jagged"):
             assert got[key][i].dtype == torch.int16, key
             torch.testing.assert_close(got[key][i], reference, rtol=0, atol=0, msg=f"{key} sample {i}")
+        original = _original_as_dict(prompt_len, mask, routing)
+        torch.testing.assert_close(got["default"][i], original, rtol=0, atol=0, msg=f"default sample {i}")
+
+
+def test_a_response_cut_at_response_length_has_its_extra_row_trimmed(probe):
+    """verl's own layout keeps the cut sample's extra row (the last kept token's routing, which fed only the cut
+    token); the patch stores only the rows of trained tokens, as for any other sample (the plugin does the same)."""
+    _, layout, samples = _fixtures("deepseek_v3")
+    prompt_len, mask, routing = samples[2]
+    kept = _kept_rows(prompt_len, mask)
+    assert routing.shape[0] == kept + 1 and prompt_len + len(mask) == kept + 1
+    assert _original_as_dict(prompt_len, mask, routing)[kept].any()  # verl 0.9.1 stores it
+    got = probe["families"]["deepseek_v3"]
+    assert got["ids"][2].shape[0] == kept
+    assert not got["expanded"][2][kept].any() and got["expanded"][2][:kept].any()
+    assert probe["errors"]["cut_at_limit"] is None
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe", "mixtral"])
@@ -508,11 +554,12 @@ def test_compact_fields_hold_only_moe_layers_and_recorded_rows(probe, family):
     assert {"routed_experts_compact", "routed_experts_layout", "prompts", "responses"} <= set(got["compact_keys"])
     assert "routed_experts" not in got["compact_keys"], "verl's int16 layout must not travel next to the compact one"
     expected_dtype = torch.uint8 if layout.num_experts <= 256 else torch.uint16
-    for ids, (_, _, routing) in zip(got["ids"], samples, strict=True):
+    for ids, (prompt_len, mask, routing) in zip(got["ids"], samples, strict=True):
+        kept = _kept_rows(prompt_len, mask)
         assert ids.dtype == expected_dtype
-        assert tuple(ids.shape) == (routing.shape[0], layout.num_moe_layers, layout.top_k)
+        assert tuple(ids.shape) == (kept, layout.num_moe_layers, layout.top_k)
         assert np.array_equal(ids.view(torch.int16).numpy().astype(np.int64) & 0xFFFF if ids.dtype == torch.uint16
-                              else ids.numpy(), routing[:, list(layout.moe_layers)])  # fmt: skip
+                              else ids.numpy(), routing[:kept, list(layout.moe_layers)])  # fmt: skip
     head = got["layout_tensor"].tolist()
     assert head == [layout.num_hidden_layers, layout.top_k, layout.num_experts, layout.num_moe_layers,
                     *layout.moe_layers]  # fmt: skip
@@ -539,8 +586,9 @@ def test_trainer_moe_metrics_read_the_compact_fields(probe):
         "routed_experts_prompt_ref",
     ]
     _, _, samples = _fixtures("deepseek_v3")
-    for got, sample in zip(probe["metrics_routed_experts"], samples, strict=True):
-        torch.testing.assert_close(got, _original_as_dict(*sample), rtol=0, atol=0)
+    for got, (prompt_len, mask, routing) in zip(probe["metrics_routed_experts"], samples, strict=True):
+        reference = _trained_reference(prompt_len, mask, routing)
+        torch.testing.assert_close(got, reference, rtol=0, atol=0)
 
 
 def test_padding_samples_carry_no_routing(probe):
@@ -571,6 +619,13 @@ ERRORS = {
     "negative_id": "expert id -1 outside [0, 64) at token position 4, decoder layer 5",
     "duplicate_id": "repeat within a top-4 row at token position 6, decoder layer 1",
     "all_zero_moe_row": "all-zero routing row at token position 2, decoder layer 4",
+    "extra_row_below_limit": "7 routing rows for a sample of 3 prompt tokens whose last generated token is response "
+    "token 3: expected 6 (every token fed to the engine before the last generated one)",
+    "extra_row_limit_unknown": "7 routing rows for a sample of 3 prompt tokens",
+    "two_extra_rows": "8 routing rows for a sample of 3 prompt tokens whose last generated token is response token 3:"
+    " expected 6 (every token fed to the engine before the last generated one) or 7 (a response cut at "
+    "response_length 4",
+    "extra_row_out_of_range": "expert id 64 outside [0, 64) at token position 6, decoder layer 1",
     "dense_layer_routed": "routing in a dense layer at token position 5, decoder layer 0",
     "dense_model": "needs an MoE config",
     "expand_too_many_rows": "rows for 3 tokens",
@@ -594,10 +649,12 @@ def test_every_validation_error_is_clear(probe, case):
     name, message = error
     assert name == "RolloutRoutingError", (name, message)
     assert ERRORS[case] in message, message
+    if case in ("extra_row_below_limit", "extra_row_limit_unknown"):
+        assert " or " not in message, message  # below the limit / limit unknown: the extra row is never allowed
 
 
 def test_probe_reports_every_case(probe):
-    assert set(probe["errors"]) == set(ERRORS) | {"ok", "ok_read_only", "share_missing_entry"}
+    assert set(probe["errors"]) == set(ERRORS) | {"ok", "ok_read_only", "share_missing_entry", "cut_at_limit"}
     json.dumps(probe["errors"])  # plain strings only
 
 
@@ -613,11 +670,11 @@ def test_group_round_trip_equals_verl_original_on_every_token(probe):
     for uid, sessions in _sharing_fixture()["groups"].items():
         assert len(sharing["expanded"][uid]) == SHARE_N
         for s, (prompt_len, mask, routing, _) in enumerate(sessions):
-            reference = _original_as_dict(prompt_len, mask, routing)
+            reference = _trained_reference(prompt_len, mask, routing)
             assert reference[:prompt_len].any()
             torch.testing.assert_close(sharing["expanded"][uid][s], reference, rtol=0, atol=0, msg=f"{uid} {s}")
     for got, sample in zip(sharing["metrics_routed_experts"], _sharing_fixture()["groups"]["g1"], strict=True):
-        torch.testing.assert_close(got, _original_as_dict(*sample[:3]), rtol=0, atol=0)
+        torch.testing.assert_close(got, _trained_reference(*sample[:3]), rtol=0, atol=0)
 
 
 def test_identical_prompt_rows_are_stored_once_per_group(probe):
@@ -629,13 +686,13 @@ def test_identical_prompt_rows_are_stored_once_per_group(probe):
     )
     for uid, sessions in _sharing_fixture()["groups"].items():
         key = next(k for k, tag in sharing["side_tags"].items() if tag["uid"] == uid)
-        for s, (prompt_len, _, routing, _) in enumerate(sessions):
+        for s, (prompt_len, mask, _, _) in enumerate(sessions):
             rows, ref = sharing["stored_rows"][uid][s], sharing["refs"][uid][s]
             if _shared(uid, s):
-                assert rows == routing.shape[0] - prompt_len, (uid, s)
+                assert rows == _kept_rows(prompt_len, mask) - prompt_len, (uid, s)
                 assert ref[0] == prompt_len and struct.pack(">qq", ref[1], ref[2]).hex() == key
             else:
-                assert rows == routing.shape[0] and ref == [0, 0, 0], (uid, s)
+                assert rows == _kept_rows(prompt_len, mask) and ref == [0, 0, 0], (uid, s)
     # the worker forgets a group once its sessions settle
     assert sharing["groups_during"] == 2 and sharing["groups_after"] == 0
 
@@ -653,7 +710,7 @@ def test_clearing_a_group_clears_its_side_entry(probe):
     sharing = probe["sharing"]
     assert sharing["side_after_evict"] == ["g1"]  # ReplayBuffer._clear_groups({"g2"})
     for got, sample in zip(sharing["g1_after_evict"], _sharing_fixture()["groups"]["g1"], strict=True):
-        torch.testing.assert_close(got, _original_as_dict(*sample[:3]), rtol=0, atol=0)
+        torch.testing.assert_close(got, _trained_reference(*sample[:3]), rtol=0, atol=0)
     assert sharing["side_after_step"] == 0  # step-end clear of g1's samples
 
 

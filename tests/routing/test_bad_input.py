@@ -245,8 +245,31 @@ def _header(text: bytes, data: bytes = b"") -> str:
         ),
         (_header(b"{'descr': '|O', 'fortran_order': False, 'shape': (1,), }\n", bytes(8)), "got dtype object"),
         (_header(b"{'descr': '<f4', 'fortran_order': False, 'shape': (1,), }\n", bytes(4)), "got dtype float32"),
+        # zero bytes declared, so the byte count agrees, but numpy cannot even describe the empty array
+        (
+            _header(b"{'descr': '<i4', 'fortran_order': False, 'shape': (0, 100000000000000000000, 2), }\n"),
+            r"shape \(0, 100000000000000000000, 2\) is beyond what numpy can describe",
+        ),
+        (
+            _header(b"{'descr': '<i4', 'fortran_order': False, 'shape': (0, 4611686018427387904, 2), }\n"),
+            r"shape \(0, 4611686018427387904, 2\) is beyond what numpy can describe",
+        ),
+        (
+            _header(b"{'descr': '<i4', 'fortran_order': False, 'shape': (" + b"0, " * 70 + b"), }\n"),
+            "shape has 70 dimensions, at most 32",
+        ),
     ],
-    ids=["empty", "cut-header", "truncated", "90TiB", "object", "float"],
+    ids=[
+        "empty",
+        "cut-header",
+        "truncated",
+        "90TiB",
+        "object",
+        "float",
+        "zero-bytes-1e20",
+        "zero-bytes-2^62",
+        "70-dims",
+    ],
 )
 def test_vllm_openai_malformed_npy_is_a_counted_format_error(payload, message):
     stats = _skip(decode_vllm_openai, payload, **KW)
@@ -297,6 +320,19 @@ def test_sglang_malformed_meta_info_is_a_counted_format_error(meta, cls, message
     assert _skip(decode_sglang, meta, **KW).errors == {cls.__name__: 1}
     with raises_exactly(cls, message):
         decode_sglang(meta, **KW)
+
+
+@pytest.mark.parametrize("name", ["", "int", "float32", "torch.int32", "INT32", " int32"])
+def test_sglang_empty_or_unknown_dtype_name_is_refused_not_read_as_int32(name):
+    """Only a missing / None ``routed_experts_dtype`` means SGLang's default int32; any other name that is not a
+    known wire dtype (the empty string included) is refused, naming it, rather than guessed."""
+    meta = encode_sglang(RoutedRows(0, good_ids(4)), LAYOUT)  # int32 bytes: read as int32 they would decode fine
+    assert decode_sglang({**meta, "routed_experts_dtype": None}, **KW).num_rows == 4
+    assert "routed_experts_dtype" not in meta and decode_sglang(meta, **KW).num_rows == 4
+    bad = {**meta, "routed_experts_dtype": name}
+    assert _skip(decode_sglang, bad, **KW).errors == {"RoutingFormatError": 1}
+    with raises_exactly(RoutingFormatError, f"unknown routed_experts_dtype {name!r}"):
+        decode_sglang(bad, **KW)
 
 
 def test_sglang_list_payload_of_integers_is_accepted():

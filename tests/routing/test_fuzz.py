@@ -18,7 +18,7 @@ import pickle
 
 import numpy as np
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import array_shapes, arrays
 from tensordict import TensorDict
@@ -485,6 +485,66 @@ def test_vllm_openai_mutated_headers(data, key, value):
     text = repr(header).encode("latin1", "replace") + b"\n"
     raw = b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text + full.tobytes()
     only_format_errors(decode_vllm_openai, base64.b64encode(raw).decode(), prompt_len=3, response_len=2, layout=SMALL)
+
+
+# sizes that overflow numpy's intp alone or in a product, next to small and empty ones
+DIMS = st.one_of(
+    st.integers(-3, 6),
+    st.sampled_from([0, 0, 2**31, 2**32, 2**62, 2**63 - 1, 2**63, 2**64, 10**20, 10**40, -(2**63)]),
+)
+DESCRS = ["<i4", "|u1", "<u2", ">i2", "<i8", ">u8", "|i1", "<f4", "<f8", "|b1", "|O", "<c8", "V4", "S3", "<M8[s]",
+          "<U2", "bogus", "", "<i0", "<i3"]  # fmt: skip
+
+
+@st.composite
+def npy_headers(draw) -> bytes:
+    """A ``.npy`` payload with a random, well-formed-looking header: any dtype string, any fortran flag, shapes of
+    0..70 dims with huge / zero / negative sizes; the data either the declared byte count (when small enough to
+    build), none, or random; the header length field exact or off."""
+    shape = tuple(draw(st.one_of(st.lists(DIMS, min_size=3, max_size=3), st.lists(DIMS, max_size=70))))
+    descr = draw(st.one_of(st.sampled_from(["<i4", "|u1"]), st.sampled_from(DESCRS), st.text(max_size=6)))
+    fortran = draw(st.one_of(st.booleans(), st.sampled_from([0, 1, None, "False"])))
+    text = repr({"descr": descr, "fortran_order": fortran, "shape": shape}).encode("utf8") + b"\n"
+    try:
+        declared = int(np.prod(shape, dtype=object)) * np.dtype(descr).itemsize
+    except Exception:  # not a dtype: any data will do
+        declared = -1
+    data_kind = draw(st.sampled_from(["declared", "none", "random", "one-off"]))
+    if data_kind == "declared" and 0 <= declared <= 4096:
+        data = bytes(draw(st.integers(0, 3)) for _ in range(declared))  # tiny ids: reach the routing checks
+    elif data_kind == "one-off" and 0 <= declared <= 4096:
+        data = bytes(max(declared + draw(st.sampled_from([-1, 1])), 0))
+    elif data_kind == "random":
+        data = draw(st.binary(max_size=64))
+    else:
+        data = b""
+    version = draw(st.sampled_from([1, 2, 3]))
+    length = len(text) + draw(st.sampled_from([0] * 6 + [-1, 1, 10**4, -len(text)]))
+    width = 2 if version == 1 else 4
+    field = max(length, 0).to_bytes(width, "little") if max(length, 0) < 256**width else b"\xff" * width
+    return b"\x93NUMPY" + bytes([version, 0]) + field + text + data
+
+
+def npy_raw(descr: str, shape: tuple, data: bytes = b"") -> bytes:
+    text = repr({"descr": descr, "fortran_order": False, "shape": shape}).encode() + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text + data
+
+
+@FUZZ
+@given(raw=npy_headers(), prompt_len=st.integers(0, 4), response_len=st.integers(1, 3))
+@example(raw=npy_raw("<i4", (0, 10**20, 2)), prompt_len=0, response_len=1)  # issue #25: zero bytes declared
+@example(raw=npy_raw("<i4", (0, 2**62, 2)), prompt_len=0, response_len=1)
+@example(raw=npy_raw("|u1", (0,) * 70), prompt_len=0, response_len=1)
+@example(raw=npy_raw("<i4", (0, 2**40, 2)), prompt_len=0, response_len=1)
+def test_vllm_openai_random_npy_headers(raw, prompt_len, response_len):
+    """Whatever a header declares, the payload decodes to valid rows or is a RoutingFormatError (counted and skipped
+    under skip_sample): numpy's own errors for shapes it cannot describe never escape."""
+    payload = base64.b64encode(raw).decode()
+    kwargs = dict(prompt_len=prompt_len, response_len=response_len, layout=SMALL)
+    try:
+        accepted_is_valid(decode_vllm_openai(payload, **kwargs), SMALL)
+    except RoutingFormatError:
+        only_format_errors(decode_vllm_openai, payload, **kwargs)
 
 
 @FUZZ

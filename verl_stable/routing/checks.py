@@ -374,9 +374,14 @@ _VALIDATE_CHUNK_ROWS = 4096
 def check_expert_ids(ids: np.ndarray, num_experts: int, moe_layers: Sequence[int], start: int) -> None:
     """Check integer MoE-layer ids ``[rows, len(moe_layers), top_k]`` of token positions ``start, start + 1, ...``.
 
-    In order: ``0 <= id < num_experts``; no all-zero row when ``top_k >= 2`` (for ``top_k == 1`` a whole MoE layer
-    of zeros over 8 or more rows, which random routing produces with probability ``num_experts**-8``); distinct ids
-    within every row. Errors name the token position and the MoE / decoder layer.
+    In order: ``0 <= id < num_experts``; no all-zero row when ``top_k >= 2`` (a row that repeats expert 0: the
+    known failure of fused MoE kernels that return no routing); distinct ids within every row. With ``top_k == 1``
+    a zero is a valid routing to expert 0, so only what random routing produces with probability at most
+    ``num_experts**-8`` is refused: a MoE layer that is expert 0 for all of 8 or more rows, or a payload that is
+    expert 0 everywhere over 8 or more (row, MoE layer) entries. A shorter all-zero top-1 payload (fewer than 8
+    entries), or zero rows among non-zero ones, cannot be told from routing to expert 0 and is accepted. The checks
+    judge one engine payload; a batch of payloads put end to end is judged sample by sample by its callers.
+    Errors name the token position and the MoE / decoder layer.
 
     Raises:
         ExpertIdRangeError, ZeroRoutingError, DuplicateExpertError: as named.
@@ -394,6 +399,12 @@ def check_expert_ids(ids: np.ndarray, num_experts: int, moe_layers: Sequence[int
         raise ZeroRoutingError(
             f"MoE layer {layer} (decoder layer {moe_layers[layer]}) is expert 0 for all {ids.shape[0]} "
             "rows: the engine returned no routing for it"
+        )
+    if ids.shape[2] == 1 and ids.shape[0] * ids.shape[1] >= 8 and not alive.any():
+        # a short payload of a model with several MoE layers: as unlikely from real routing as the rule above
+        raise ZeroRoutingError(
+            f"every MoE layer is expert 0 for all {ids.shape[0]} rows ({ids.shape[0] * ids.shape[1]} top-1 "
+            "entries): the engine returned no routing"
         )
 
 

@@ -8,7 +8,8 @@ put the compact fields instead of verl's int16 ``routed_experts`` (:class:`Compa
 workers also make rollouts reproducible (:mod:`.seeding`): every sample is sent with a sampling seed derived from its
 identity and verl's ``actor_rollout_ref.rollout.seed``, and with a sync trainer the trainer gets the samples in
 dispatch order (``stable_sync`` sorts them by the manager's :class:`~.seeding.DispatchLedger`; under verl's ``sync``
-the workers put them in that order).
+the workers put them in that order, across workers too: with several workers the manager numbers each prompt's group
+with a global turn, :class:`~.seeding.DispatchTurns`, which the first worker holds for all).
 
 This module imports verl's agent loop, TransferQueue's client and Ray at import time (close to a second on top of
 ``import verl``), so the package imports it only when one of its names is first used; the plugin's import of
@@ -38,7 +39,9 @@ from verl_stable.integration.rollout.config import DEFAULT_OPTIONS, RolloutRouti
 from verl_stable.integration.rollout.seeding import (
     PROMPT_IDENTITY_FIELDS,
     DispatchLedger,
+    DispatchTurns,
     PromptOccurrences,
+    RemoteTurns,
     RolloutSeeding,
     prompt_content_key,
 )
@@ -72,6 +75,9 @@ TRAINER_MODE_KEY = "trainer.v1.trainer_mode"
 ORDERED_PUT_MODES = ("sync",)
 OCCURRENCE_FIELD = "__verl_stable_occurrence__"
 """Batch column the manager adds for its workers (popped before verl sees the prompt, so never stored)."""
+TURN_FIELD = "__verl_stable_turn__"
+"""Batch column of each prompt's global turn (:class:`~.seeding.DispatchTurns`), added by the manager under an ordered
+put mode with several workers; popped like :data:`OCCURRENCE_FIELD`."""
 
 
 class CompactRoutingAgentLoopOutput(AgentLoopOutput):
@@ -101,6 +107,7 @@ def compact_agent_loop_output(
     uid: str | None = None,
     partition: str = "train",
     group_size: int | None = None,
+    response_length: int | None = None,
 ) -> Any:
     """An ``AgentLoopOutput`` whose ``as_dict`` emits the compact fields instead of verl's int16 ``routed_experts``.
 
@@ -113,6 +120,8 @@ def compact_agent_loop_output(
     the side entry to put before the sample when this sample is the group's first (``None`` otherwise).
     ``uid=None``: never shared (a group of one), the field is zero. ``group_size`` (the group's ``rollout.n``)
     decides with ``sharing.min_saved_bytes`` whether the group's prompt rows are worth a side entry.
+    ``response_length`` (verl's ``rollout.response_length``) lets a response verl cut at that limit carry the one
+    extra row of its last kept token, which is trimmed and counted (:func:`~.boundary.compact_token_routing`).
     """
     sample_stats = BoundaryStats()
     try:
@@ -123,6 +132,7 @@ def compact_agent_loop_output(
             layout=layout,
             options=options,
             stats=sample_stats,
+            response_length=response_length,
         )
     finally:
         if stats is not None:
@@ -164,18 +174,24 @@ class CompactRoutingAgentLoopWorkerTQ(AgentLoopWorkerTQ.__ray_actor_class__):
     of (``rollout.seed``, global step, train/val, the prompt's content, its occurrence in the step, the sample's index
     in its group); the ``hf`` server and vLLM draw the sample from a generator of that seed. With a sync trainer
     verl's ``sync`` trainer (``trainer.v1.trainer_mode=sync``) the samples are put into TransferQueue in dispatch order
-    (:class:`~.seeding.PutOrder`), which is the order verl's replay buffer hands them to the trainer; ``stable_sync``
-    sorts each sampled batch into dispatch order itself (:class:`~.seeding.DispatchLedger`), so puts do not wait.
+    (:class:`~.seeding.PutOrder`; with several workers also after every group dispatched earlier to another worker,
+    :class:`~.seeding.DispatchTurns`), which is the order verl's replay buffer hands them to the trainer;
+    ``stable_sync`` sorts each sampled batch into dispatch order itself (:class:`~.seeding.DispatchLedger`), so puts
+    do not wait.
     """
 
     stable_seeding: RolloutSeeding | None = None
     """Per-sample seeds and put order (set by ``__init__``; None leaves sampling and puts as verl does them)."""
+    stable_response_length: int | None = None
+    """verl's ``rollout.response_length``, where its agent loops cut a response (set by ``__init__``; None: the
+    boundary refuses the extra routing row of a cut response)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.stable_routing_enabled = bool(self.rollout_config.enable_rollout_routing_replay)
         self.stable_routing_options = RolloutRoutingOptions.from_config(self.config)
         self.stable_routing_stats = BoundaryStats()
+        self.stable_response_length = int(self.rollout_config.response_length)
         self.stable_routing_layout = (
             layout_from_config(self.model_config.hf_config) if self.stable_routing_enabled else None
         )
@@ -190,10 +206,39 @@ class CompactRoutingAgentLoopWorkerTQ(AgentLoopWorkerTQ.__ray_actor_class__):
         mode = OmegaConf.select(self.config, TRAINER_MODE_KEY, default="sync")
         self.stable_seeding = RolloutSeeding(self.rollout_config.seed, ordered_puts=mode in ORDERED_PUT_MODES)
 
+    def stable_set_turns(self, turns: Any = None) -> None:
+        """Take part in the global turns of groups across workers (with ordered puts, each group then also waits for
+        the groups dispatched before it to other workers): ``None`` holds them here (the first worker), a
+        :class:`~.seeding.DispatchTurns` is used in-process, anything else is the Ray handle of the worker holding
+        them."""
+        if turns is None:
+            turns = self.stable_turns_held = DispatchTurns()
+        if self.stable_seeding is not None:
+            self.stable_seeding.turns = turns if isinstance(turns, DispatchTurns) else RemoteTurns(turns)
+
+    # the global turns, held by the first worker for the manager (reserve) and the other workers (wait, release)
+    stable_turns_held: DispatchTurns | None = None
+
+    def stable_turn_reserve(self, count: int) -> int:
+        """Reserve ``count`` consecutive global turns (the manager, one per prompt it dispatches); the first."""
+        return self.stable_turns_held.reserve(count)
+
+    async def stable_turn_wait(self, turn: int) -> None:
+        """Return once every global turn before ``turn`` has been released (another worker's group)."""
+        await self.stable_turns_held.wait_turn(turn)
+
+    def stable_turn_release(self, turn: int) -> None:
+        """Another worker's group of ``turn`` has settled."""
+        self.stable_turns_held.release(turn)
+
     def _stable_compact(self, output: Any, uid: str, partition: str) -> Any:
         if not self.stable_routing_options.share_prompt_rows:
             return compact_agent_loop_output(
-                output, self.stable_routing_layout, self.stable_routing_options, self.stable_routing_stats
+                output,
+                self.stable_routing_layout,
+                self.stable_routing_options,
+                self.stable_routing_stats,
+                response_length=self.stable_response_length,
             )
         return compact_agent_loop_output(
             output,
@@ -204,6 +249,7 @@ class CompactRoutingAgentLoopWorkerTQ(AgentLoopWorkerTQ.__ray_actor_class__):
             uid=uid if uid in self.stable_prompt_puts else None,  # a group of one shares nothing
             partition=partition,
             group_size=self.stable_group_sizes.get(uid),
+            response_length=self.stable_response_length,
         )
 
     async def _stable_put_shared(self, outputs: list[Any], uid: str) -> None:
@@ -287,6 +333,7 @@ class CompactRoutingAgentLoopWorkerTQ(AgentLoopWorkerTQ.__ray_actor_class__):
             self.stable_prompt_puts[uid] = {}
             self.stable_group_sizes[uid] = n
         occurrence = prompt.pop(OCCURRENCE_FIELD, None)  # the manager's numbering; not a dataset field
+        turn = prompt.pop(TURN_FIELD, None)  # likewise
         if self.stable_seeding is not None:
             # before the first await: groups start in batch order, so occurrences and tickets follow the batch
             step = prompt.get("global_steps", trajectory.get("step", 0))
@@ -297,6 +344,7 @@ class CompactRoutingAgentLoopWorkerTQ(AgentLoopWorkerTQ.__ray_actor_class__):
                 bool(trajectory["validate"]),
                 n,
                 occurrence=None if occurrence is None else int(occurrence),
+                turn=None if turn is None else int(turn),
             )
         try:
             return await super()._run_prompt(prompt, sampling_params, trajectory, **kwargs)
@@ -322,19 +370,57 @@ class CompactRoutingAgentLoopManagerTQ(AgentLoopManagerTQ):
     It also numbers repeated prompts for the workers' sampling seeds (:data:`OCCURRENCE_FIELD`): verl splits a batch
     over several workers, and a prompt drawn twice in one step must get two groups of samples even when its two
     copies land on different workers. And it records the order it dispatched prompts in (:attr:`stable_dispatch`),
-    by which the ``stable_sync`` trainer sorts each batch it samples.
+    by which the ``stable_sync`` trainer sorts each batch it samples. Under verl's own ``sync`` trainer with several
+    workers it numbers each prompt's group with a global turn (:data:`TURN_FIELD`) from the
+    :class:`~.seeding.DispatchTurns` its first worker holds for all (:attr:`stable_turns`), so that their puts follow
+    dispatch order.
     """
+
+    stable_turns: Any = None
+    """Where the global turns are: the first worker's Ray handle, or an in-process
+    :class:`~.seeding.DispatchTurns` (None: not needed)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.agent_loop_workers_class = _REMOTE_WORKER
         self.stable_occurrences = PromptOccurrences()
         self.stable_dispatch = DispatchLedger()
+        self.stable_turns = None
+
+    def stable_wants_turns(self) -> bool:
+        """Whether the workers need global turns: puts in dispatch order (verl's ``sync``) with several workers."""
+        mode = OmegaConf.select(self.config, TRAINER_MODE_KEY, default="sync")
+        workers = OmegaConf.select(self.config, "actor_rollout_ref.rollout.agent.num_workers", default=1)
+        return mode in ORDERED_PUT_MODES and int(workers) > 1
+
+    async def _init_agent_loop_workers(self) -> None:
+        await super()._init_agent_loop_workers()
+        if self.stable_wants_turns() and len(self.agent_loop_workers) > 1:
+            # the first worker holds them: no process of their own (every process under verl_stable.integration
+            # imports verl). At most one group per worker waits for its turn at a time (a worker's later groups wait
+            # behind its own earlier ones first), so the calls stay far below an async actor's concurrency limit.
+            host, *others = self.agent_loop_workers
+            await host.stable_set_turns.remote()
+            await asyncio.gather(*[w.stable_set_turns.remote(host) for w in others])
+            self.stable_turns = host
 
     def generate_sequences(self, prompts: Any) -> None:
         if "uid" in prompts.keys():
             self.stable_dispatch.record(prompts["uid"])
-        return super().generate_sequences(self.stable_number_occurrences(prompts))
+        return super().generate_sequences(self.stable_number_turns(self.stable_number_occurrences(prompts)))
+
+    def stable_number_turns(self, prompts: Any) -> Any:
+        """``prompts`` (the manager's own copy) with :data:`TURN_FIELD`: consecutive global turns in batch order, which
+        verl's contiguous chunks hand to the workers in that order; unchanged when no turns are shared."""
+        if self.stable_turns is None or not len(prompts):
+            return prompts
+        turns = self.stable_turns
+        if isinstance(turns, DispatchTurns):
+            first = turns.reserve(len(prompts))
+        else:
+            first = ray.get(turns.stable_turn_reserve.remote(len(prompts)))
+        prompts[TURN_FIELD] = torch.arange(first, first + len(prompts), dtype=torch.int64)
+        return prompts
 
     def stable_number_occurrences(self, prompts: Any) -> Any:
         """A shallow copy of the batch ``prompts`` with :data:`OCCURRENCE_FIELD`: each row's occurrence number of its

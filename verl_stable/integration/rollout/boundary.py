@@ -9,14 +9,18 @@ verl 0.9.1 path (V1 trainer, the default): the server returns ``TokenOutput.rout
 1. decode and validate the routing (:func:`compact_token_routing`): layer map, expert-id range, duplicate ids,
    all-zero MoE rows, row count ``prompt_len + last generated position`` (the last sampled token has no row; tool
    output after the last turn was never fed); an error raises, or with ``+verl_stable.routing.on_invalid=skip_sample``
-   the sample is trained with the model's own routing and counted. The compact result (MoE layers only, smallest
-   unsigned dtype, no padding) travels as :data:`~verl_stable.routing.transport.IDS_FIELD` /
+   the sample is trained with the model's own routing and counted. A response that verl's agent loop cut at
+   ``rollout.response_length`` (a multi-turn conversation whose last turn crossed it: verl does not cap a turn at the
+   remaining budget) carries one row more, that of its last kept token, which fed only the cut token: it is validated
+   with the rest, then trimmed and counted (``trimmed_rows``). The compact result (MoE layers only, smallest unsigned
+   dtype, no padding) travels as :data:`~verl_stable.routing.transport.IDS_FIELD` /
    :data:`~verl_stable.routing.transport.SPAN_FIELD`;
 2. the sample's boundary counters (:data:`BOUNDARY_FIELD`, :func:`boundary_counters`: tokens, validated rows,
-   refusal and its class, bytes moved and what verl would have moved). verl's V1 trainer logs nothing from the agent
-   loop (the manager's ``generate_sequences`` returns ``None`` and the per-sample ``metrics`` field is never read),
-   so the trainer reads the counters back (one 48-byte field per sample; the ``stable_*`` trainers in the same
-   TransferQueue read as the monitor's token fields, :func:`fetch_transport_metrics` on its own) and logs them as
+   refusal and its class, bytes moved and what verl would have moved, rows trimmed). verl's V1 trainer logs nothing
+   from the agent loop (the manager's ``generate_sequences`` returns ``None`` and the per-sample ``metrics`` field is
+   never read), so the trainer reads the counters back (one int64 per column of :data:`BOUNDARY_COLUMNS` and sample;
+   the ``stable_*`` trainers in the same TransferQueue read as the monitor's token fields,
+   :func:`fetch_transport_metrics` on its own) and logs them as
    ``stable/routing/transport/*`` (:func:`transport_metrics`).
 
 The SGLang reader of verl 0.9.1 is broken: with ``skip_tokenizer_init=True`` (verl's default) it calls
@@ -36,6 +40,7 @@ import numpy as np
 import torch
 
 from verl_stable.integration.rollout.config import DEFAULT_OPTIONS, RolloutRoutingOptions
+from verl_stable.routing.checks import count as checked_count
 from verl_stable.routing.codecs import (
     BoundaryStats,
     DuplicateExpertError,
@@ -82,6 +87,7 @@ BOUNDARY_COLUMNS = (
     "shared_prompt_rows",
     "side_rows",
     "prompt_rows_differ",
+    "trimmed_rows",
 )
 """``tokens``: prompt + response tokens; ``recorded_rows``: validated rows kept; ``skipped``: 1 when the sample's
 routing was refused under ``on_invalid=skip_sample``; ``error_code``: index of the refusal's class in
@@ -90,7 +96,9 @@ group's shared prompt rows when this sample put them); ``verl_bytes``: what verl
 stored (int16 over every decoder layer and token position); ``shared_prompt_rows``: leading rows this sample refers
 to in the side partition instead of storing; ``side_rows``: rows of the side entry this sample put (0 or its prompt
 rows; > 0 once per shared group); ``prompt_rows_differ``: 1 when its prompt rows differed from the group's stored
-copy and it kept them whole (see :mod:`.sharing`)."""
+copy and it kept them whole (see :mod:`.sharing`); ``trimmed_rows``: rows dropped because verl cut the response at
+``rollout.response_length`` (0, or 1 for a cut sample: the row of its last kept token, see
+:func:`compact_token_routing`)."""
 BOUNDARY_ERRORS: tuple[type[RoutingFormatError], ...] = (
     RoutingFormatError,
     LayerMapError,
@@ -122,27 +130,81 @@ def compact_token_routing(
     layout: RoutingLayout,
     options: RolloutRoutingOptions = DEFAULT_OPTIONS,
     stats: BoundaryStats | None = None,
+    response_length: int | None = None,
 ) -> RoutedRows | None:
     """Validate and compact one sample's ``TokenOutput``/``AgentLoopOutput`` routing (vLLM layout, row 0 = token 0).
 
-    Returns ``None`` when the sample carries no usable routing (absent, or refused under ``skip_sample``).
+    The routing must have ``prompt_len + extent - 1`` rows (``extent``: :func:`generated_extent`), with one
+    exception. verl's agent loops cut ``response_ids`` / ``response_mask`` to ``rollout.response_length`` and the
+    routing to ``prompt_len + response_length`` rows, and its ``ToolAgentLoop`` does not cap a turn at the budget left,
+    so a conversation whose last turn crosses the limit arrives with one row more than the tokens it trains on: the
+    row of its last kept token, which fed only the cut token. Such a sample is recognised by its last kept token being
+    a generated one at the limit (``extent == response_length``; a sample that was not cut keeps no such row); its
+    payload is validated whole, the extra row included, then that row is trimmed and counted in ``stats``
+    (``truncated_samples``, ``trimmed_rows``). Any other row count is refused: an extra row on a sample that did not
+    reach the limit, more than one extra row (verl keeps at most one), too few rows, and any routing for a sample
+    without a generated token (``extent == 0``). Every refusal goes through ``options.on_invalid``.
+
+    Args:
+        routed_experts: the engine's ``[rows, num_hidden_layers, top_k]`` routing as the agent loop returned it, or
+            ``None`` (no routing exported).
+        prompt_len: prompt tokens of the sample.
+        response_mask: the sample's response mask (1: generated by the model).
+        layout: the served model's layer layout.
+        options: the boundary's options (``on_invalid``).
+        stats: the sample's counters, updated in place.
+        response_length: verl's ``rollout.response_length``, the limit its agent loops cut responses at; ``None``
+            (unknown) refuses the extra row of a cut response.
+
+    Returns:
+        The validated rows, or ``None`` when the sample carries no usable routing (absent, or refused under
+        ``skip_sample``).
+
+    Raises:
+        RoutingFormatError: malformed routing under ``on_invalid="raise"`` (its subclasses name the problem).
     """
     if routed_experts is None:
         if stats is not None:
             stats.samples += 1
         return None
     extent = generated_extent(response_mask)
-    if extent == 0:
-        raise RowCountError("routing was returned for a sample without any generated token")
-    return decode_with_policy(
-        decode_vllm,
+    cut = response_length is not None and extent == checked_count(response_length, "response_length")
+    extra = int(cut and extent > 0 and _leading_rows(routed_experts) == prompt_len + extent)
+    # decoded with the extra row: every row the engine returned is validated before one is dropped
+    rows = decode_with_policy(
+        _decode_generated,
         routed_experts,
         prompt_len=prompt_len,
-        response_len=extent,
+        response_len=extent + extra,
         layout=layout,
         on_invalid=options.on_invalid,
         stats=stats,
     )
+    if rows is None or not extra:
+        return rows
+    if stats is not None:
+        stats.truncated_samples += 1
+        stats.trimmed_rows += extra
+    return RoutedRows(rows.start, rows.ids[: rows.num_rows - extra])
+
+
+def _decode_generated(routed_experts: Any, *, response_len: int, **kwargs: Any) -> RoutedRows:
+    """:func:`~verl_stable.routing.codecs.decode_vllm` of a sample's routing. Routing for a sample without a
+    generated token (``response_len == 0``: nothing it trains on was sampled, so no row can be placed) is refused
+    here, inside the user's policy: under ``skip_sample`` it is skipped and counted like any other malformed
+    payload."""
+    if response_len == 0:
+        raise RowCountError("routing was returned for a sample without any generated token")
+    return decode_vllm(routed_experts, response_len=response_len, **kwargs)
+
+
+def _leading_rows(routed_experts: Any) -> int | None:
+    """Rows of an engine payload (array, tensor or nested lists); ``None`` when it has none to count (the decoder
+    then refuses it with the reason)."""
+    shape = getattr(routed_experts, "shape", None)
+    if shape is not None:
+        return int(shape[0]) if len(shape) else None
+    return len(routed_experts) if isinstance(routed_experts, (list, tuple)) else None
 
 
 def read_sglang_routed_experts(output: Mapping[str, Any], *, prompt_len: int, layout: RoutingLayout) -> np.ndarray:
@@ -166,6 +228,8 @@ def merge_stats(total: BoundaryStats, sample: BoundaryStats) -> None:
     """Add one sample's boundary stats to a worker's running totals."""
     total.samples += sample.samples
     total.skipped_samples += sample.skipped_samples
+    total.truncated_samples += sample.truncated_samples
+    total.trimmed_rows += sample.trimmed_rows
     for name, count in (sample.errors or {}).items():
         total.errors = total.errors or {}
         total.errors[name] = total.errors.get(name, 0) + count
@@ -200,6 +264,7 @@ def boundary_counters(
         shared_rows,
         0 if side is None else side.ids.shape[0],
         int(share is not None and share.differs),
+        sample_stats.trimmed_rows,
     )
     return torch.tensor(values, dtype=torch.int64)
 
@@ -215,7 +280,9 @@ def transport_metrics(counters: Any, keep: Any = None) -> dict[str, float]:
         ``samples``, ``skipped_samples``, ``error/<Class>`` counts, ``recorded_rows``, ``missing_positions``
         (tokens of routed samples without a recorded row: each sample's last token, tool output after the last turn),
         ``bytes`` and ``verl_bytes`` moved (shared prompt rows counted once), ``bytes_per_token`` and
-        ``bytes_ratio`` (= bytes / verl_bytes); ``prompt_groups_shared`` (side entries put),
+        ``bytes_ratio`` (= bytes / verl_bytes); ``truncated_samples`` (samples whose response verl cut at
+        ``response_length``, their extra row trimmed) and ``trimmed_rows`` (those rows, also counted in
+        ``missing_positions``); ``prompt_groups_shared`` (side entries put),
         ``shared_prompt_rows`` (rows samples referred to instead of storing), ``prompt_rows_deduplicated``
         (``shared_prompt_rows`` minus the rows stored once) and ``prompt_rows_differ`` (samples whose prompt rows
         differed from their group's stored copy).
@@ -244,6 +311,8 @@ def transport_metrics(counters: Any, keep: Any = None) -> dict[str, float]:
         "verl_bytes": float(verl_bytes),
         "bytes_per_token": nbytes / max(tokens, 1),
         "bytes_ratio": nbytes / max(verl_bytes, 1),
+        "truncated_samples": float((col["trimmed_rows"] > 0).sum()),
+        "trimmed_rows": float(col["trimmed_rows"].sum()),
         "prompt_groups_shared": float((col["side_rows"] > 0).sum()),
         "shared_prompt_rows": float(col["shared_prompt_rows"].sum()),
         "prompt_rows_deduplicated": float(col["shared_prompt_rows"].sum() - col["side_rows"].sum()),
@@ -259,7 +328,8 @@ def transport_metrics(counters: Any, keep: Any = None) -> dict[str, float]:
 def fetch_transport_metrics(batch: Any, kv_batch_get: Any = None) -> dict[str, float]:
     """Trainer side (V1): the transport metrics of a step's ``KVBatchMeta``, ``{}`` when it carries no counters.
 
-    One TransferQueue read of 48 bytes per sample; verl's padding samples (``tag["is_padding"]``) are left out.
+    One TransferQueue read of 8 bytes per column of :data:`BOUNDARY_COLUMNS` and sample; verl's padding samples
+    (``tag["is_padding"]``) are left out.
     """
     if kv_batch_get is None:
         import transfer_queue as tq

@@ -17,7 +17,11 @@ Two runs of one command and seed differ in verl 0.9.1 for two reasons the agent-
   dispatched prompts in): nothing waits. With verl's own ``sync`` trainer, which cannot be told the order,
   :class:`PutOrder` lets each sample's put wait until every sample dispatched before it has been put (or has
   failed): the puts of a step then run one after another (~6 ms each on the 2-core CPU runtime, ~0.1 s for 16
-  samples at the end of every rollout).
+  samples at the end of every rollout). verl splits a dispatch into contiguous chunks, one per agent-loop worker
+  (``rollout.agent.num_workers``, 8 by default), and TransferQueue lists keys in the order their puts reached it, so
+  with several workers a worker's own order is not enough: the manager also numbers each prompt's group with a
+  global turn (:class:`DispatchTurns`, held by the first worker and called by the others), and a group's first put
+  waits until every group dispatched before it, on any worker, has settled.
 
 Pure Python (``hashlib``, ``json``, ``asyncio``): the worker in :mod:`.agent_loop` wires it into verl.
 """
@@ -36,6 +40,7 @@ __all__ = [
     "MAX_SEED",
     "PROMPT_IDENTITY_FIELDS",
     "DispatchLedger",
+    "DispatchTurns",
     "PromptOccurrences",
     "PutOrder",
     "RolloutSeeding",
@@ -183,9 +188,58 @@ class PutOrder:
         return self._next - self._head - len(self._released)
 
 
+class DispatchTurns:
+    """Global turns of prompt groups across agent-loop workers: group ``t`` may put once groups ``0 .. t-1`` settled.
+
+    The agent-loop manager reserves one turn per prompt of each dispatch, in batch order, before verl splits the batch
+    over its workers; a worker waits for its group's turn before the group's first put and releases it when the group
+    has settled (every sample put, or failed). Under verl's own ``sync`` trainer with several workers this puts a
+    step's samples into TransferQueue in dispatch order, which is the order its replay buffer hands them over in. In
+    a Ray deployment the first agent-loop worker holds the instance and the others call it (:class:`RemoteTurns`):
+    no process of its own. Single event loop, no threads.
+    """
+
+    def __init__(self) -> None:
+        self._order = PutOrder()
+
+    def reserve(self, count: int) -> int:
+        """Reserve ``count`` consecutive turns; returns the first."""
+        return self._order.reserve(count)
+
+    async def wait_turn(self, turn: int) -> None:
+        """Return once every turn before ``turn`` has been released."""
+        await self._order.wait_turn(turn)
+
+    def release(self, turn: int) -> None:
+        """The group of ``turn`` has settled (idempotent)."""
+        self._order.release(turn)
+
+    @property
+    def pending(self) -> int:
+        """Turns reserved and not yet released."""
+        return self._order.pending
+
+
+class RemoteTurns:
+    """The :class:`DispatchTurns` held by another agent-loop worker, called through its Ray actor ``handle``
+    (``stable_turn_wait`` / ``stable_turn_release``), with the in-process interface."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    async def wait_turn(self, turn: int) -> None:
+        """Return once every turn before ``turn`` has been released (one actor call)."""
+        await self.handle.stable_turn_wait.remote(turn)
+
+    def release(self, turn: int) -> None:
+        """Release ``turn`` without waiting for the reply (a later ``wait_turn`` only waits longer if it overtakes)."""
+        self.handle.stable_turn_release.remote(turn)
+
+
 @dataclass(frozen=True)
 class SampleGroup:
-    """One dispatched prompt's group: what identifies it across runs, and its first put ticket (None: unordered)."""
+    """One dispatched prompt's group: what identifies it across runs, its first put ticket (None: unordered) and its
+    global turn (None: this worker's order is enough)."""
 
     step: int
     validate: bool
@@ -193,6 +247,7 @@ class SampleGroup:
     occurrence: int
     size: int
     first_ticket: int | None = None
+    turn: int | None = None
 
 
 class RolloutSeeding:
@@ -202,16 +257,22 @@ class RolloutSeeding:
     in batch order), :meth:`seed` for each sample's sampling params, :meth:`wait_turn` right before a sample's put,
     :meth:`release` after it (or when the sample failed) and :meth:`finish` when the whole group has settled.
 
+    With ordered puts and ``turns`` (the workers' shared :class:`DispatchTurns`, or a :class:`RemoteTurns` to it),
+    groups dispatched with a global turn also wait for every group dispatched before them on the other workers.
+
     Args:
         run_seed: the run's seed (verl's ``actor_rollout_ref.rollout.seed``).
         ordered_puts: put samples into TransferQueue in dispatch order (sync trainers).
+        turns: the global turns of groups across workers (None: this worker's order only).
     """
 
-    def __init__(self, run_seed: int, ordered_puts: bool) -> None:
+    def __init__(self, run_seed: int, ordered_puts: bool, turns: Any = None) -> None:
         self.run_seed = int(run_seed)
         self.occurrences = PromptOccurrences()
         self.put_order = PutOrder() if ordered_puts else None
+        self.turns = turns
         self.groups: dict[str, SampleGroup] = {}
+        self._turn_reached: set[int] = set()  # global turns already waited for (a turn never goes back)
 
     def dispatch(
         self,
@@ -221,11 +282,13 @@ class RolloutSeeding:
         validate: bool,
         size: int,
         occurrence: int | None = None,
+        turn: int | None = None,
     ) -> SampleGroup:
         """Register the group ``uid`` of ``size`` samples of ``prompt`` (a dataset row) dispatched at ``step``.
 
         ``occurrence``: the prompt's occurrence number as the agent-loop manager counted it over the whole batch
-        (several workers each see a part); None counts here, over what this worker was dispatched.
+        (several workers each see a part); None counts here, over what this worker was dispatched. ``turn``: the
+        group's global turn from the manager (:class:`DispatchTurns`); used with ordered puts and ``turns`` only.
         """
         key = prompt_content_key(prompt)
         if occurrence is None:
@@ -237,6 +300,7 @@ class RolloutSeeding:
             occurrence=int(occurrence),
             size=int(size),
             first_ticket=self.put_order.reserve(size) if self.put_order is not None else None,
+            turn=None if turn is None or self.put_order is None or self.turns is None else int(turn),
         )
         self.groups[str(uid)] = group
         return group
@@ -258,10 +322,16 @@ class RolloutSeeding:
         return group.first_ticket + int(sample_index)
 
     async def wait_turn(self, uid: Any, sample_index: int) -> None:
-        """Return once every sample dispatched before this one has been put or has failed."""
+        """Return once every sample dispatched before this one has been put or has failed: on this worker, and with a
+        global turn, every group dispatched before this one's on any worker."""
         ticket = self.ticket(uid, sample_index)
-        if ticket is not None:
-            await self.put_order.wait_turn(ticket)
+        if ticket is None:
+            return
+        await self.put_order.wait_turn(ticket)
+        group = self.groups.get(str(uid))
+        if group is not None and group.turn is not None and group.turn not in self._turn_reached:
+            await self.turns.wait_turn(group.turn)
+            self._turn_reached.add(group.turn)
 
     def release(self, uid: Any, sample_index: int) -> None:
         """This sample has been put, or has failed: the next sample's turn (idempotent)."""
@@ -270,11 +340,14 @@ class RolloutSeeding:
             self.put_order.release(ticket)
 
     def finish(self, uid: Any) -> None:
-        """The group has settled: release its samples that never reached a put, and forget it."""
+        """The group has settled: release its samples that never reached a put and its global turn, and forget it."""
         group = self.groups.pop(str(uid), None)
         if group is not None and group.first_ticket is not None:
             for ticket in range(group.first_ticket, group.first_ticket + group.size):
                 self.put_order.release(ticket)
+        if group is not None and group.turn is not None:
+            self._turn_reached.discard(group.turn)
+            self.turns.release(group.turn)
 
 
 class DispatchLedger:

@@ -120,8 +120,11 @@ def validate_ids(ids: np.ndarray, layout: RoutingLayout, *, start: int = 0) -> N
     """Check MoE-layer ids ``[rows, num_moe_layers, top_k]`` against the layout; raise on the first problem.
 
     Checks, in order: shape; integer dtype; ``0 <= id < num_experts``; no all-zero row when ``top_k >= 2``
-    (for ``top_k == 1`` a whole MoE layer of zeros over 8 or more rows, which random routing produces with
-    probability ``num_experts**-8``); distinct ids within every row. ``ids`` may also be a tensor or nested lists.
+    (for ``top_k == 1`` a whole MoE layer of zeros over 8 or more rows, or an all-zero payload of 8 or more
+    (row, MoE layer) entries, which random routing produces with probability at most ``num_experts**-8``; shorter
+    or partly zero top-1 payloads cannot be told from routing to expert 0, see
+    :func:`~verl_stable.routing.checks.check_expert_ids`); distinct ids within every row. ``ids`` may also be a
+    tensor or nested lists.
 
     Raises:
         LayerMapError: wrong number of MoE layers or top-k.

@@ -21,15 +21,29 @@ ON_INVALID = ("raise", "skip_sample")
 
 @dataclass
 class BoundaryStats:
-    """Counts kept by :func:`decode_with_policy` (logged by the caller, exported as ``stable/routing/*`` metrics)."""
+    """Counts kept by :func:`decode_with_policy` (logged by the caller, exported as ``stable/routing/*`` metrics).
+
+    Attributes:
+        samples: samples decoded (or found without routing).
+        skipped_samples: samples whose routing was refused under ``on_invalid="skip_sample"``.
+        errors: refusals by error class name.
+        truncated_samples: samples whose response the agent loop cut at its length limit, so that their routing
+            carried rows past the last trained token; counted by the caller that trims them (the rollout boundary).
+        trimmed_rows: the rows trimmed from those samples.
+    """
 
     samples: int = 0
     skipped_samples: int = 0
     errors: dict[str, int] | None = None
+    truncated_samples: int = 0
+    trimmed_rows: int = 0
 
     def as_metrics(self, prefix: str = "stable/routing/") -> dict[str, float]:
-        """Flat float metrics."""
+        """Flat float metrics; the truncation counts only when a sample was truncated."""
         out = {f"{prefix}samples": float(self.samples), f"{prefix}skipped_samples": float(self.skipped_samples)}
+        if self.truncated_samples:
+            out[f"{prefix}truncated_samples"] = float(self.truncated_samples)
+            out[f"{prefix}trimmed_rows"] = float(self.trimmed_rows)
         for name, count in (self.errors or {}).items():
             out[f"{prefix}error/{name}"] = float(count)
         return out

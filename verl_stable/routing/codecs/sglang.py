@@ -50,8 +50,9 @@ def decode_sglang(
     """Decode SGLang 0.5.12 ``meta_info["routed_experts"]`` for one request.
 
     The payload is base64 of a flat row-major ``[seqlen - 1 - start_len, num_hidden_layers, top_k]`` array in
-    ``meta_info.get("routed_experts_dtype", "int32")``; ``start_len`` is ``meta_info["routed_experts_start_len"]``
-    (0 when absent), ``seqlen = prompt_len + response_len``. With ``skip_tokenizer_init`` the payload may already be
+    ``meta_info["routed_experts_dtype"]`` (int32 when absent or ``None``; any other name that is not a known wire
+    dtype, the empty string included, is a :class:`RoutingFormatError`); ``start_len`` is
+    ``meta_info["routed_experts_start_len"]`` (0 when absent), ``seqlen = prompt_len + response_len``. With ``skip_tokenizer_init`` the payload may already be
     an array/tensor; both are accepted. verl 0.9.1 instead calls ``.numpy()`` on the base64 string in that mode.
     """
     layout = _require_layout(layout)
@@ -72,7 +73,9 @@ def decode_sglang(
             f"SGLang: prompt_len {prompt_len} + response_len {response_len} - 1 - start_len {start} is negative"
         )
     if isinstance(payload, (str, bytes)):
-        dtype_name = meta_info.get("routed_experts_dtype") or "int32"
+        # only an absent name means SGLang's default: "" or an unknown name is refused, never read as int32
+        dtype_name = meta_info.get("routed_experts_dtype")
+        dtype_name = "int32" if dtype_name is None else dtype_name
         dtype = _wire_dtype(dtype_name, "SGLang")
         _check_wire_width(dtype, layout, f"SGLang routed_experts_dtype {dtype_name}")
         try:

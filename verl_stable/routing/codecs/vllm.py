@@ -73,11 +73,19 @@ def decode_vllm(
 
 _NPY_MAGIC = b"\x93NUMPY"
 _NPY_MAX_HEADER = 10_000  # numpy's own default limit for np.load
+_NPY_MAX_DIMS = 32  # numpy 1.x's limit (2.x allows 64); routing has 3
+_INTP_MAX = int(np.iinfo(np.intp).max)
 
 
 def _parse_npy(raw: bytes, what: str) -> np.ndarray:
     """An integer array from ``.npy`` bytes without pickles and without allocating: the declared shape and dtype
-    must account for exactly the bytes that follow the header, and the data is a read-only view of ``raw``."""
+    must account for exactly the bytes that follow the header, and the data is a read-only view of ``raw``.
+
+    Every malformed payload raises :class:`RoutingFormatError`, among them shapes numpy cannot describe even when
+    they declare no data (``(0, 10**20, 2)``: numpy counts the bytes of the non-zero sizes and refuses more than
+    ``intp`` holds, or more than :data:`_NPY_MAX_DIMS` dimensions), which ``reshape`` would refuse with a
+    ``ValueError`` that ``on_invalid="skip_sample"`` does not catch.
+    """
     if raw[:6] != _NPY_MAGIC or len(raw) < 10:
         raise RoutingFormatError(f"{what}: not .npy data (expected the \\x93NUMPY magic, got {raw[:8]!r})")
     major = raw[6]
@@ -107,17 +115,25 @@ def _parse_npy(raw: bytes, what: str) -> np.ndarray:
     require_integer_np_dtype(dtype, what)
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
         raise RoutingFormatError(f"{what}: .npy shape {shape!r:.200} is not a tuple of sizes")
-    count = 1
+    if len(shape) > _NPY_MAX_DIMS:
+        raise RoutingFormatError(f"{what}: .npy shape has {len(shape)} dimensions, at most {_NPY_MAX_DIMS} supported")
+    count, extent = 1, dtype.itemsize
     for n in shape:
         count *= n
+        extent *= max(n, 1)  # numpy's own bound: the bytes of the non-zero sizes must fit in intp
+    if extent > _INTP_MAX:
+        raise RoutingFormatError(f"{what}: .npy shape {shape!r:.200} is beyond what numpy can describe")
     data = len(raw) - offset - header_len
     if count * dtype.itemsize != data:
         raise RoutingFormatError(
             f"{what}: .npy header declares {dtype} {shape!r:.200} ({count * dtype.itemsize} bytes) but "
             f"{data} data bytes follow"
         )
-    flat = np.frombuffer(raw, dtype=dtype, count=count, offset=offset + header_len)
-    return flat.reshape(shape[::-1]).transpose() if fortran else flat.reshape(shape)
+    try:
+        flat = np.frombuffer(raw, dtype=dtype, count=count, offset=offset + header_len)
+        return flat.reshape(shape[::-1]).transpose() if fortran else flat.reshape(shape)
+    except (ValueError, MemoryError) as exc:  # a limit of this numpy that the checks above do not know
+        raise RoutingFormatError(f"{what}: numpy cannot build the .npy array {shape!r:.200}: {exc}") from exc
 
 
 def decode_vllm_openai(payload: str, **kwargs: Any) -> RoutedRows:
