@@ -82,7 +82,10 @@ def test_a_string_is_not_a_list_of_taus():
     ("block", "message"),
     [
         ({"monitor": {"taus": [0.5]}}, r"stable\.monitor\.taus\.0 must be > 1"),
-        ({"monitor": {"taus": [2, 2.0000001]}}, r"stable\.monitor\.taus must print distinctly as extreme_frac_tau<tau:g> \(they give \['2', '2'\]\)"),
+        (
+            {"monitor": {"taus": [2, 2.0000001]}},
+            r"stable\.monitor\.taus must print distinctly as extreme_frac_tau<tau:g> \(they give \['2', '2'\]\)",
+        ),
         ({"monitor": {"entropy_window": 2.5}}, r"stable\.monitor\.entropy_window must be an int, got float 2\.5"),
         ({"monitor": {"entropy_window": 10**9}}, r"stable\.monitor\.entropy_window must be <= 100000"),
         ({"monitor": {"routing_interval": 0.5}}, r"stable\.monitor\.routing_interval must be an int"),
