@@ -150,3 +150,32 @@ def test_parallel_sweep_overlaps_runs_and_keeps_preset_order(tmp_path, monkeypat
     assert stream.getvalue().splitlines()[-1].startswith("[") and " 6/6 steps" in stream.getvalue()
     with pytest.raises(ValueError, match="jobs must be >= 1"):
         sweep.run_sweep(tmp_path / "out", preset, jobs=0)
+
+
+@pytest.mark.e2e
+def test_two_runs_side_by_side_both_finish(tmp_path, monkeypatch):
+    """Issue #30: two verl starts at once (jobs=2, the conditions a sweep flaked under) must both log every step.
+
+    The second run's first attempt is made to fail in Ray's start-up (the test-only switch): verl really starts,
+    ``ray.init`` raises, the sweep retries the run once while the other one is still starting, and the report and
+    the command's output name the retry.
+    """
+    out = tmp_path / "lab"
+    monkeypatch.setenv(sweep.FORCE_START_FAILURE_ENV, "minirl_r3__N2__s1")
+    lines = []
+    argv = ["--preset", "mini", "--seeds", "0", "1", "--steps", "1", "--jobs", "2", "--out", str(out)]
+    rc = cli.main([*argv, "--timeout", "900"], out=lines.append)
+    logs = {s: (out / "runs" / f"minirl_r3__N2__s{s}" / "main_ppo.log") for s in (0, 1)}
+    assert rc == 0, "\n\n".join(p.read_text()[-4000:] for p in logs.values() if p.exists())
+    rows = sweep.load_rows(out)
+    assert sorted((r["seed"], r["step"]) for r in rows) == [(0, 1), (1, 1)]
+    records = {r["seed"]: r for r in report.run_records(out)}
+    assert (records[0]["attempts"], records[0]["retried"]) == (1, None)
+    assert records[1]["attempts"] == 2 and "NotADirectoryError" in records[1]["retried"]  # Ray's real refusal
+    # the two runs overlapped in time: side by side, not one after the other
+    assert max(r["started"] for r in records.values()) < min(r["finished"] for r in records.values())
+    (aside,) = (out / "runs" / "minirl_r3__N2__s1" / "superseded").iterdir()
+    assert "/dev/null/forced_start_failure" in (aside / "main_ppo.log").read_text()
+    text = (out / "report.md").read_text()
+    assert "2 run(s) recorded: 2 finished, 1 retried once after a start-up failure, 0 failed." in text
+    assert "Retried: `minirl_r3__N2__s1`" in text

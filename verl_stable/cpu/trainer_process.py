@@ -27,13 +27,23 @@ from pathlib import Path
 
 from verl_stable.cpu.polling import ENV_POLL_INTERVAL
 
+# Ray's head serves two Prometheus endpoints on fixed ports (the autoscaler monitor's 44217 and the dashboard's 44227),
+# whatever include_dashboard says: a second Ray instance on the host (the other run of a lab sweep) fails to bind them
+# and logs "Address already in use" tracebacks into its session's monitor.log and dashboard.log. Port 0 lets every
+# instance take a free port of its own. (The dashboard agent's HTTP port 52365 cannot be set through ray.init; the
+# second instance's agent runs without its HTTP service, which nothing in a verl run uses.)
+RAY_FIXED_PORT_ENV = ("AUTOSCALER_METRIC_PORT", "DASHBOARD_METRIC_PORT")
+
 
 def cpu_env(
     metrics_file: str | os.PathLike | None = None, poll_interval_s: float | None = 0.1, base: dict | None = None
 ) -> dict[str, str]:
-    """Environment for a CPU ``main_ppo`` subprocess: platform choice, poll interval, metrics file."""
+    """Environment for a CPU ``main_ppo`` subprocess: platform choice, poll interval, metrics file, and Ray's fixed
+    metrics ports made free (:data:`RAY_FIXED_PORT_ENV`; a value the caller set wins)."""
     env = dict(os.environ if base is None else base)
     env["VERL_PLATFORM"] = "cpu"
+    for name in RAY_FIXED_PORT_ENV:
+        env.setdefault(name, "0")
     env.setdefault("RAY_AUTH_MODE", "disabled")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("RAY_DEDUP_LOGS", "0")

@@ -7,7 +7,8 @@
     verl-stable lab --report-only --out ./lab   # re-render the report from the runs on disk
 
 Re-running with the same ``--out`` skips runs that are already complete (resumable); results already in ``--out``
-are never deleted or truncated (see :mod:`verl_stable.lab.sweep`). Every argument is checked before any work starts:
+are never deleted or truncated (see :mod:`verl_stable.lab.sweep`). A run that fails while starting is retried once;
+the output and the report name every retried and every failed run with the first error line of its log. Every argument is checked before any work starts:
 an unknown ``--only`` prefix, a ``--steps`` or ``--jobs`` below 1, a negative or repeated seed, a ``--timeout`` that is
 not a positive number, an ``--out`` that is a file or in a symlink loop, or a ``report.md`` in ``--out`` that is a
 directory is refused with exit code 2. Results in ``--out`` that cannot be read back (a line that is not a JSON
@@ -141,10 +142,17 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
     else:
         outcomes = sweep.run_sweep(out_dir, preset, timeout_s=args.timeout, only=args.only, jobs=args.jobs)
         for o in outcomes:
+            if o.retried:
+                print(
+                    f"run {o.spec.name}: the first attempt failed while starting ({o.retried}); "
+                    f"{'retried, failed again' if o.failed else 'retried, finished'}",
+                    file=sys.stderr,
+                )
             if o.returncode != 0 or len(o.rows) < preset.steps:
                 failed += 1
                 print(
-                    f"run {o.spec.name} failed (exit {o.returncode}, {len(o.rows)} steps); log: {o.log}",
+                    f"run {o.spec.name} failed (exit {o.returncode}, {len(o.rows)} steps, {o.attempts} attempt(s)): "
+                    f"{o.error or 'no error line in its log'}; log: {o.log}",
                     file=sys.stderr,
                 )
         # the report covers every run in --out (earlier sweeps' too), as --report-only would

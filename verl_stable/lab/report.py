@@ -20,6 +20,7 @@ mean over seeds with the band from the lowest to the highest seed.
 
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -188,6 +189,7 @@ class CellSummary:
     steps: int
     per_seed: dict[str, dict[int, float]]
     guard_fired: tuple[str, ...]
+    run_seeds: tuple[int, ...] = ()  # the seeds whose runs logged at least one step in this cell
 
     @property
     def seeds(self) -> int:
@@ -225,7 +227,8 @@ def summarize(rows: Sequence[Mapping]) -> list[CellSummary]:
             f"{g} ({sum(g in r.guard_fired for r in runs)}/{len(runs)} seeds)"
             for g in sorted({g for r in runs for g in r.guard_fired})
         )
-        cells.append(CellSummary(variant, n, min(r.steps for r in runs), per_seed, fired))
+        seeds = tuple(sorted(r.seed for r in runs))
+        cells.append(CellSummary(variant, n, min(r.steps for r in runs), per_seed, fired, seeds))
     return cells
 
 
@@ -311,11 +314,24 @@ SWITCHES = (
 
 @dataclass(frozen=True)
 class SwitchResult:
-    """One switch at one N: a comparison per judged metric."""
+    """One switch at one N: a comparison per judged metric.
+
+    ``missing``: for each side (variant) that lacks seeds the comparison should have had, the variant and those
+    seeds (a seed is expected when the other side has it, or when the sweep recorded a run of it that logged no step);
+    empty ``comparisons`` with a ``missing`` entry: one side has no run at all.
+    """
 
     switch: Switch
     staleness: int
     comparisons: tuple[tuple[Comparison, str | None], ...]  # (comparison, the direction that helps)
+    missing: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    paired: tuple[int, ...] = ()  # the seeds both sides have
+    partial: tuple[tuple[str, int, int, int | None], ...] = ()  # (variant, seed, steps logged, steps expected)
+
+    @property
+    def lacking(self) -> bool:
+        """Whether a seed is missing or a run's steps stop short on either side."""
+        return bool(self.missing or self.partial)
 
     def helps(self) -> list[Comparison]:
         return [c for c, good in self.comparisons if good and c.verdict == good]
@@ -324,13 +340,40 @@ class SwitchResult:
         return [c for c, good in self.comparisons if good and c.is_finding and c.verdict != good]
 
 
-def switch_results(cells: Sequence[CellSummary]) -> list[SwitchResult]:
-    """Every switch of :data:`SWITCHES` at every N where both of its variants ran."""
+def _recorded_seeds(runs: Sequence[Mapping], variant: str, n: int) -> set[int]:
+    return {int(r["seed"]) for r in runs if r.get("variant") == variant and r.get("staleness") == n}
+
+
+def _partial(runs: Sequence[Mapping], variants: Sequence[str], n: int) -> tuple[tuple[str, int, int, int | None], ...]:
+    """Runs of ``variants`` at ``n`` that failed after logging some steps: their summaries use fewer steps."""
+    return tuple(
+        (r["variant"], r["seed"], r["steps"], r.get("expected_steps"))
+        for r in runs
+        if r["variant"] in variants and r["staleness"] == n and r["steps"] > 0 and (r.get("error") or r["returncode"])
+    )
+
+
+def switch_results(cells: Sequence[CellSummary], runs: Sequence[Mapping] = ()) -> list[SwitchResult]:
+    """Every switch of :data:`SWITCHES` at every N where both of its variants ran, with the seeds each side lacks.
+
+    Args:
+        cells: :func:`summarize`'s cells.
+        runs: the sweep's run records (:func:`run_records`): a run recorded there that logged no step is a seed its
+            side lacks, and a switch whose one side only failed is listed with no comparison.
+    """
     out = []
-    for n in sorted({c.staleness for c in cells}):
+    for n in sorted({c.staleness for c in cells} | {int(r["staleness"]) for r in runs}):
         for sw in SWITCHES:
             on, off = _cell(cells, sw.a, n), _cell(cells, sw.b, n)
-            if not on or not off:
+            has = {v: set(c[0].run_seeds) if c else set() for v, c in ((sw.a, on), (sw.b, off))}
+            tried = {v: has[v] | _recorded_seeds(runs, v, n) for v in (sw.a, sw.b)}
+            if not tried[sw.a] or not tried[sw.b]:
+                continue  # a variant this sweep did not run at this N: the switch is not part of it
+            expected = tried[sw.a] | tried[sw.b]
+            missing = tuple((v, tuple(sorted(expected - has[v]))) for v in (sw.a, sw.b) if expected - has[v])
+            partial = _partial(runs, (sw.a, sw.b), n)
+            if not on or not off:  # one side's runs all failed: said, not skipped
+                out.append(SwitchResult(sw, n, (), missing, (), partial))
                 continue
             comps = []
             for field, good in sw.judged:
@@ -339,8 +382,32 @@ def switch_results(cells: Sequence[CellSummary]) -> list[SwitchResult]:
                     log = _log_scale(field, a.values(), b.values())
                     comps.append((stats.compare(field, sw.a, a, sw.b, b, log=log), good))
             if comps:
-                out.append(SwitchResult(sw, n, tuple(comps)))
+                paired = tuple(sorted(has[sw.a] & has[sw.b]))
+                out.append(SwitchResult(sw, n, tuple(comps), missing, paired, partial))
     return out
+
+
+def _seed_list(seeds: Iterable[int]) -> str:
+    seeds = list(seeds)
+    return ("seed " if len(seeds) == 1 else "seeds ") + ", ".join(str(s) for s in seeds)
+
+
+def missing_text(r: SwitchResult) -> str:
+    """``""``, or what a comparison lacks: ``missing: minirl_r3 seed 13 (no step logged); paired on seeds 11, 12``,
+    and runs that stopped short: ``incomplete: minirl seed 4 (3 of 8 steps)``."""
+    parts = []
+    if r.missing:
+        parts.append(
+            "missing: " + "; ".join(f"{v} {_seed_list(seeds)}" for v, seeds in r.missing) + " (no step logged)"
+        )
+    if r.partial:
+        parts.append(
+            "incomplete: "
+            + "; ".join(f"{v} seed {seed} ({k}{f' of {n}' if n else ''} steps)" for v, seed, k, n in r.partial)
+        )
+    if r.missing and r.comparisons:
+        parts.append(f"paired on {_seed_list(r.paired) if r.paired else 'no seed'}")
+    return "; ".join(parts)
 
 
 def regime_name(n: int) -> str:
@@ -360,6 +427,9 @@ def answer_table(results: Sequence[SwitchResult]) -> str:
     lines = ["| regime | switch | needed here? | evidence (mean [95 % interval] over seeds, switch on vs off) |"]
     lines.append("|---|---|---|---|")
     for r in results:
+        if not r.comparisons:
+            lines.append(f"| {regime_name(r.staleness)} | {r.switch.name} | not measured | {missing_text(r)} |")
+            continue
         helps, hurts = r.helps(), r.hurts()
         if helps and not hurts:
             verdict = "**yes**"
@@ -382,6 +452,8 @@ def answer_table(results: Sequence[SwitchResult]) -> str:
                     + "; ".join(f"{LABELS[c.metric]}: {c.reason}" for c, g in r.comparisons if g)
                 )
             )
+        if r.lacking:
+            evidence += f" ({missing_text(r)})"
         lines.append(f"| {regime_name(r.staleness)} | {r.switch.name} | {verdict} | {evidence} |")
     return "\n".join(lines)
 
@@ -390,13 +462,16 @@ def comparison_lines(results: Sequence[SwitchResult]) -> list[str]:
     """Every comparison in full: values, verdict, the rule that decided, the test."""
     out = []
     for r in results:
+        if not r.comparisons:
+            out.append(f"{r.switch.name}, N={r.staleness}: not compared; {missing_text(r)}.")
         for c, good in r.comparisons:
             verdict = {"lower": f"{r.switch.a} lower", "higher": f"{r.switch.a} higher"}.get(c.verdict, c.verdict)
             role = "" if good is None else (" (helps)" if c.verdict == good else " (hurts)" if c.is_finding else "")
             per_seed = ", ".join(f"{d:+.3g}" for d in c.diffs)
             out.append(
                 f"{r.switch.name}, N={r.staleness}, {LABELS[c.metric]}: {_effect(c)} -> **{verdict}**{role}: "
-                f"{c.reason}; per-seed differences [{per_seed}]; {c.test_text()}."
+                f"{c.reason}; per-seed differences [{per_seed}]; {c.test_text()}"
+                + (f"; {missing_text(r)}." if r.lacking else ".")
             )
     return out
 
@@ -421,6 +496,57 @@ def observations(cells: Sequence[CellSummary]) -> list[str]:
     fired = [f"{c.variant} N={c.staleness} ({', '.join(c.guard_fired)})" for c in cells if c.guard_fired]
     out.append("Guard fired in: " + ("; ".join(fired) if fired else "no run") + ".")
     return out
+
+
+OUTCOME_NAME = "outcome.json"
+_RECORD_KEYS = {"variant": str, "staleness": int, "seed": int, "name": str, "returncode": int, "steps": int}
+
+
+def run_records(out_dir: str | Path) -> list[dict]:
+    """The sweep's record of each run under ``out_dir/runs/*/outcome.json`` (written by the sweep), by run name.
+
+    A record says how many attempts the run took, the first attempt's error line when a start-up failure was retried,
+    and the error line of a run that failed. A record that cannot be read, or lacks or mistypes a key, is skipped:
+    the report's numbers come from ``metrics.jsonl``, the records only name what is missing and why.
+    """
+    records = []
+    for path in sorted(Path(out_dir).glob(f"runs/*/{OUTCOME_NAME}")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and all(
+            isinstance(record.get(k), t) and not isinstance(record.get(k), bool) for k, t in _RECORD_KEYS.items()
+        ):
+            records.append(record)
+    return records
+
+
+def runs_section(runs: Sequence[Mapping]) -> list[str]:
+    """The report's account of the runs: how many, which were retried after a start-up failure, which failed, why.
+
+    Args:
+        runs: :func:`run_records` (``expected_steps``, when a record has it, gives "k of n steps").
+    """
+    if not runs:
+        return []
+    retried = [r for r in runs if r.get("retried")]
+    failed = [r for r in runs if r.get("error") or r["returncode"] != 0]
+    lines = [
+        f"{len(runs)} run(s) recorded: {len(runs) - len(failed)} finished, {len(retried)} retried once after a "
+        f"start-up failure, {len(failed)} failed."
+    ]
+    for r in retried:
+        after = "failed again" if r in failed else f"finished on attempt {r.get('attempts', 2)}"
+        lines.append(f"Retried: `{r['name']}` -- the first attempt failed while starting: `{r['retried']}`; {after}.")
+    for r in failed:
+        of = f" of {r['expected_steps']}" if isinstance(r.get("expected_steps"), int) else ""
+        error = r.get("error") or "no error line in its log"
+        lines.append(
+            f"Failed: `{r['name']}` (exit {r['returncode']}, {r['steps']}{of} steps, {r.get('attempts', 1)} "
+            f"attempt(s)): `{error}` (log: runs/{r['name']}/main_ppo.log)."
+        )
+    return lines
 
 
 def findings(cells: Sequence[CellSummary]) -> list[str]:
@@ -485,19 +611,27 @@ def plot_regimes(rows: Sequence[Mapping], out_dir: str | Path, names: Sequence[s
 
 
 def render_markdown(
-    rows: Sequence[Mapping], plots: Sequence[Path] = (), header: Mapping[str, str] | None = None, relative_to=None
+    rows: Sequence[Mapping],
+    plots: Sequence[Path] = (),
+    header: Mapping[str, str] | None = None,
+    relative_to=None,
+    runs: Sequence[Mapping] = (),
 ) -> str:
-    """The report: the answer table first, then setup, the table per cell, every comparison, limits, figures."""
+    """The report: the answer table first, the runs (retried, failed), setup, the table per cell, every comparison,
+    limits, figures. ``runs``: :func:`run_records` (empty: the runs section is left out)."""
     cells = summarize(rows)
-    results = switch_results(cells)
+    results = switch_results(cells, runs)
     lines = ["# verl-stable CPU lab report", "", "## The answer: which switch does each regime need?", ""]
     lines += [answer_table(results) if results else "No switch has both of its variants at one N in these runs.", ""]
     lines += [
         "A switch is **needed** when, with it on, KL(mu‖pi_old) or the clipped fraction is lower, or the late reward "
         "higher, with the two 95 % t-intervals over seeds separated and every seed's difference of one sign "
-        "(Welch's t-test printed beside it); a difference whose sign changes across seeds is 'no effect'.",
+        "(Welch's t-test printed beside it); a difference whose sign changes across seeds is 'no effect'. A "
+        "comparison that lacks a seed (its run failed) says which.",
         "",
     ]
+    if runs:
+        lines += ["## Runs", ""] + [f"- {s}" for s in runs_section(runs)] + [""]
     if header:
         lines += ["## Setup", ""] + [f"- {k}: {v}" for k, v in header.items()] + [""]
     lines += ["## Results per variant and N (mean [95 % interval] over seeds)", "", table(cells), ""]
@@ -529,6 +663,9 @@ def output_problem(out_dir: str | Path) -> str | None:
 def write_report(rows: Sequence[Mapping], out_dir: str | Path, header: Mapping[str, str] | None = None) -> Path:
     """Write ``out_dir/report.md`` and ``out_dir/plots/regime_N<n>.png`` from the rows; returns the report path.
 
+    The runs' records under ``out_dir/runs/*/outcome.json`` (:func:`run_records`) add the runs section and the seeds
+    each comparison lacks.
+
     Raises:
         ValueError: A malformed row (:func:`check_rows`).
         OSError: The report or a figure cannot be written (:func:`output_problem`, or the file system's refusal).
@@ -540,5 +677,5 @@ def write_report(rows: Sequence[Mapping], out_dir: str | Path, header: Mapping[s
         raise OSError(problem)
     plots = plot_regimes(rows, out_dir / "plots")
     path = out_dir / "report.md"
-    path.write_text(render_markdown(rows, plots, header, relative_to=out_dir))
+    path.write_text(render_markdown(rows, plots, header, relative_to=out_dir, runs=run_records(out_dir)))
     return path

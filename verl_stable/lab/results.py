@@ -28,13 +28,46 @@ from verl_stable.lab.report import row_problem
 
 @dataclass
 class RunOutcome:
-    """What a run produced."""
+    """What a run produced.
+
+    Attributes:
+        spec: the run.
+        rows: its per-step rows (:func:`tag_rows`).
+        returncode: the last attempt's exit code (-1: the launcher itself failed or the run timed out).
+        skipped: the run was complete on disk and not started.
+        log: the last attempt's ``main_ppo.log``.
+        attempts: attempts started (2 when a start-up failure was retried, see :mod:`verl_stable.lab.sweep`).
+        retried: the first line of the failed first attempt's log that names its error, when it was retried.
+        error: the first error line of the last attempt's log when the run failed (None when it succeeded).
+    """
 
     spec: RunSpec
     rows: list[dict]
     returncode: int
     skipped: bool
     log: Path
+    attempts: int = 1
+    retried: str | None = None
+    error: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        """Whether the run ended without success (the sweep may still count its rows, as far as they go)."""
+        return self.returncode != 0 or self.error is not None
+
+    def record(self) -> dict[str, Any]:
+        """What the report says about the run (``runs/<name>/outcome.json``): identity, steps, attempts, errors."""
+        return {
+            "variant": self.spec.variant,
+            "staleness": self.spec.staleness,
+            "seed": self.spec.seed,
+            "name": self.spec.name,
+            "returncode": self.returncode,
+            "steps": len({r["step"] for r in self.rows}),
+            "attempts": self.attempts,
+            "retried": self.retried,
+            "error": self.error,
+        }
 
 
 def tag_rows(rows: list[dict], spec: RunSpec) -> list[dict]:

@@ -9,7 +9,7 @@ Layout of the output directory::
 
     assets/                     tokenizer, random tiny Qwen3-MoE, parquet data
     coldstart/<hash>/           cold-started model (cache)
-    runs/<variant>__N<n>__s<seed>/{main_ppo.log, metrics.jsonl, done.json}
+    runs/<variant>__N<n>__s<seed>/{main_ppo.log, metrics.jsonl, done.json, outcome.json}
     runs/<variant>__N<n>__s<seed>/superseded/<time>/   an earlier attempt's files, set aside when the run starts over
     metrics.jsonl               every run's per-step metrics, one JSON object per step (variant, staleness, seed, step)
     report.md, plots/*.png      see :mod:`verl_stable.lab.report`
@@ -25,6 +25,12 @@ sweeps sharing ``out`` take turns through a file lock). A sweep is checked befor
 that names no run of the preset, an ``out`` in a symlink loop, an ``out/metrics.jsonl`` that cannot be read back (a
 malformed row, a directory), or a ``report.md`` that is a directory is refused.
 
+A run whose attempt fails while starting (before its first step, for a reason of the machinery rather than of its
+config or of the training code: :func:`startup_failure`) is started once more; its outcome counts the attempts and
+keeps the first attempt's error line, a run that fails for good carries the first error line of its log
+(:func:`first_error_line`), and both go to ``runs/<name>/outcome.json``, from which the report names them and the
+seeds each comparison lacks (docs/lab.md, "Runs side by side").
+
 Runs are independent processes (each with its own local Ray instance), so ``jobs > 1`` runs several at once. On a small
 CPU host a run's wall time is dominated by start-up (each of verl's Ray actors imports torch, tensordict and verl in a
 fresh process, mostly on one core), so two concurrent runs use both cores of a 2-core host; per-step numbers are
@@ -36,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -62,6 +69,7 @@ __all__ = [
     "check_sweep",
     "coldstart_line",
     "default_jobs",
+    "first_error_line",
     "is_complete",
     "load_rows",
     "merge_rows",
@@ -69,6 +77,7 @@ __all__ = [
     "prepare",
     "run_one",
     "run_sweep",
+    "startup_failure",
     "tag_rows",
 ]
 
@@ -95,7 +104,7 @@ def is_complete(run_dir: Path, overrides: Sequence[str], steps: int) -> bool:
 
 
 # a lab run's own files beside verl's: set aside together when the run starts over
-RUN_FILES = ("metrics.jsonl", "done.json", "error.txt", "main_ppo.log")
+RUN_FILES = ("metrics.jsonl", "done.json", "error.txt", "main_ppo.log", "outcome.json")
 
 
 def _count_lines(path: Path) -> int:
@@ -145,6 +154,119 @@ def run_one(
     if rc == 0:
         (run_dir / "done.json").write_text(json.dumps({"digest": overrides_digest(overrides), "argv": list(overrides)}))
     return rc, False
+
+
+# --- start-up failures: which failed run is started once more ---------------------------------------------------
+
+START_RETRIES = 1
+"""Extra attempts of a run that failed while starting (:func:`startup_failure`); a second failure is final."""
+
+READY_MARKER = "all initialize finished, ready to fit"
+"""What verl's trainer logs once every worker, engine and TransferQueue is up, just before its training loop."""
+
+# Lines with which hydra / OmegaConf refuse a run's overrides or config: the same arguments fail the same way again.
+CONFIG_ERRORS = (
+    "Could not override",
+    "ConfigCompositionException",
+    "omegaconf.errors",
+    "ConfigAttributeError",
+    "ConfigKeyError",
+    "MissingMandatoryValue",
+    "Error merging override",
+    "hydra.errors",
+)
+# Errors of the machinery rather than of the training code: a Ray actor or node that died or could not start, a lost
+# connection, a timeout while waiting, memory. After verl's READY_MARKER a run that logged no step is retried only
+# when its first error line names one of these.
+INFRA_ERRORS = re.compile(
+    r"ray\.exceptions\.|ActorDiedError|ActorUnavailableError|RaySystemError|GetTimeoutError|WorkerCrashedError|"
+    r"NodeDiedError|ObjectLostError|OutOfMemoryError|MemoryError|ConnectionError|TimeoutError|ZMQError|"
+    r"Address already in use|timed out during startup"
+)
+TIMEOUT_NOTE = "TimeoutExpired"
+FORCE_START_FAILURE_ENV = "VERL_STABLE_LAB_FORCE_START_FAILURE"
+"""Test-only: comma-separated run-name prefixes whose first attempt is made to fail while Ray starts (see
+:data:`FORCED_START_FAILURE`); how the retry is exercised end to end without waiting for a real flake."""
+FORCED_START_FAILURE = "+ray_kwargs.ray_init._temp_dir=/dev/null/forced_start_failure"
+"""Appended to a forced first attempt: Ray cannot create its session directory below ``/dev/null`` and ``ray.init``
+raises before any worker starts, a real start-up failure of verl's own launch."""
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+# an exception's name where a traceback prints it: ``pkg.SomeError: message`` or Ray's ``RayTaskError(ValueError):``
+_EXCEPTION = re.compile(r"(?:^|[\s(])[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)(?:\([\w.]+\))?:(?:\s|$)")
+_ERROR_LEVEL = re.compile(r"\b(?:ERROR|FATAL|CRITICAL)\b|^E\d{4} ")
+# hydra's wrapper line names no error; the exception follows it
+_NOT_THE_ERROR = ("Error executing job with overrides",)
+ERROR_LINE_MAX = 300
+
+
+def first_error_line(run_dir: str | Path) -> str | None:
+    """The first line that names the error of the run in ``run_dir``; None when nothing there names one.
+
+    The launcher's own failure (``error.txt``: a timeout, a process that could not start) comes first; then the
+    first line of ``main_ppo.log`` that names an exception (``SomeError: ...``), else the first line logged at
+    ERROR / FATAL level. Colour codes are removed and the line is cut to :data:`ERROR_LINE_MAX` characters.
+    """
+    run_dir = Path(run_dir)
+    note = run_dir / "error.txt"
+    if note.is_file() and note.read_text(errors="replace").strip():
+        return _clip(note.read_text(errors="replace").strip().splitlines()[0])
+    try:
+        lines = [
+            _ANSI.sub("", line).strip() for line in (run_dir / "main_ppo.log").read_text(errors="replace").splitlines()
+        ]
+    except FileNotFoundError:
+        return None
+    lines = [line for line in lines if line and not any(m in line for m in _NOT_THE_ERROR)]
+    for pattern in (_EXCEPTION, _ERROR_LEVEL):
+        found = next((line for line in lines if pattern.search(line)), None)
+        if found is not None:
+            return _clip(found)
+    return None
+
+
+def _clip(line: str) -> str:
+    return line if len(line) <= ERROR_LINE_MAX else line[: ERROR_LINE_MAX - 3] + "..."
+
+
+def startup_failure(returncode: int, rows: Sequence[dict], run_dir: str | Path) -> str | None:
+    """Why a failed attempt counts as a start-up failure of the infrastructure (and is retried); None when it does not.
+
+    The rule: the attempt exited non-zero **before logging its first step**, it was not stopped by the sweep's
+    timeout, its log holds no configuration error (:data:`CONFIG_ERRORS`: the same overrides would fail again), and
+    either verl's trainer never reached its training loop (no :data:`READY_MARKER` in the log: Ray, the workers,
+    TransferQueue or an engine failed to come up) or the first error line names the machinery
+    (:data:`INFRA_ERRORS`: a Ray actor or node that died, a lost connection, memory). A run that fails after a
+    step, or with an error of the training code inside the loop, is not retried.
+
+    Returns:
+        The attempt's first error line (or a description when its log names none).
+    """
+    if returncode == 0 or rows:
+        return None
+    run_dir = Path(run_dir)
+    note = run_dir / "error.txt"
+    if note.is_file() and TIMEOUT_NOTE in note.read_text(errors="replace"):
+        return None
+    try:
+        log = (run_dir / "main_ppo.log").read_text(errors="replace")
+    except FileNotFoundError:
+        log = ""
+    if any(marker in log for marker in CONFIG_ERRORS):
+        return None
+    line = first_error_line(run_dir)
+    if READY_MARKER in log and not (line and INFRA_ERRORS.search(line)):
+        return None
+    return line or f"exit {returncode} before verl's training loop started"
+
+
+def _forced(name: str, prefixes: Sequence[str]) -> bool:
+    return any(p and name.startswith(p) for p in prefixes)
+
+
+def forced_start_failures() -> tuple[str, ...]:
+    """The run-name prefixes of :data:`FORCE_START_FAILURE_ENV` (test-only)."""
+    return tuple(p.strip() for p in os.environ.get(FORCE_START_FAILURE_ENV, "").split(",") if p.strip())
 
 
 def prepare(out: Path, preset: Preset) -> tuple[Assets, ColdStartResult]:
@@ -238,8 +360,15 @@ def run_sweep(
     timeout_s: float | None = None,
     only: Sequence[str] | None = None,
     jobs: int | None = None,
+    runner: Callable[..., tuple[int, bool]] | None = None,
+    force_start_failure: Sequence[str] | None = None,
 ) -> list[RunOutcome]:
     """Run every (variant, N, seed) of ``preset`` under ``out``; write ``out/metrics.jsonl`` with all rows.
+
+    A run whose attempt fails while starting (:func:`startup_failure`) is started once more (:data:`START_RETRIES`;
+    the failed attempt's files go to ``superseded/``); its outcome counts the attempts and keeps the first attempt's
+    error line. A run that fails again, or fails otherwise, carries the first error line of its log
+    (:func:`first_error_line`). Each outcome is also written to ``runs/<name>/outcome.json`` for the report.
 
     Args:
         out: output directory (created).
@@ -248,6 +377,9 @@ def run_sweep(
         timeout_s: per-run wall-clock limit.
         only: restrict to runs whose name (``<variant>__N<n>__s<seed>``) starts with one of these.
         jobs: runs executed concurrently (None: :func:`default_jobs`).
+        runner: what runs one attempt, called like :func:`run_one` (None: :func:`run_one`); tests pass their own.
+        force_start_failure: test-only, run-name prefixes whose first attempt is made to fail in Ray's start-up
+            (:data:`FORCED_START_FAILURE`); None reads :data:`FORCE_START_FAILURE_ENV`.
     """
     from verl_stable.cpu.launch import read_metrics
 
@@ -259,6 +391,7 @@ def run_sweep(
     assets, cs = prepare(out, preset)
     (out / "coldstart.json").write_text(json.dumps({**asdict(cs), "model_dir": str(cs.model_dir)}, indent=1))
     tracker = _SweepProgress(progress or ProgressBar(total=len(specs) * preset.steps), preset.steps)
+    prefixes = forced_start_failures() if force_start_failure is None else tuple(force_start_failure)
 
     def execute(i: int, spec: RunSpec) -> RunOutcome:
         run_dir = out / "runs" / spec.name
@@ -277,19 +410,42 @@ def run_sweep(
             workdir=run_dir,
         )
         label = f"run {i + 1}/{len(specs)} {spec.variant} N={spec.staleness} seed={spec.seed}"
-        t0 = time.monotonic()
-        try:
-            rc, skipped = run_one(ov, run_dir, preset.steps, lambda k: tracker.set(spec.name, k, label), timeout_s)
-        except Exception as exc:  # noqa: BLE001 - one broken run is reported as failed; the others' results count
-            (run_dir / "error.txt").write_text(repr(exc))
-            rc, skipped = -1, False
+        t0, started = time.monotonic(), time.time()
+        run = runner or run_one  # looked up per call: tests replace the module's run_one
+        # a forced start-up failure (test-only) is never applied to a run that is complete on disk
+        forced = _forced(spec.name, prefixes) and not is_complete(run_dir, ov, preset.steps)
+        retried: str | None = None
+        for attempt in range(1 + START_RETRIES):
+            argv = [*ov, FORCED_START_FAILURE] if forced and attempt == 0 else ov
+            try:
+                rc, skipped = run(argv, run_dir, preset.steps, lambda k: tracker.set(spec.name, k, label), timeout_s)
+            except Exception as exc:  # noqa: BLE001 - one broken run is reported as failed; the others' results count
+                (run_dir / "error.txt").write_text(repr(exc))
+                rc, skipped = -1, False
+            try:
+                rows = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+            except (ValueError, KeyError) as exc:  # a line cut short by a killed run: the file stays for inspection
+                (run_dir / "error.txt").write_text(f"metrics.jsonl unreadable: {exc!r}")
+                rows, rc = [], rc or -1
+            reason = None if attempt == START_RETRIES else startup_failure(rc, rows, run_dir)
+            if reason is None:
+                break
+            retried = reason  # the next attempt sets this one's files aside (superseded/), log included
+            tracker.set(spec.name, 0, f"{label} (start-up failed: retrying)")
         tracker.set(spec.name, preset.steps, label + (" (cached)" if skipped else f" ({time.monotonic() - t0:.0f}s)"))
-        try:
-            rows = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
-        except (ValueError, KeyError) as exc:  # a line cut short by a killed run: the file stays for inspection
-            (run_dir / "error.txt").write_text(f"metrics.jsonl unreadable: {exc!r}")
-            rows, rc = [], rc or -1
-        return RunOutcome(spec, tag_rows(rows, spec), rc, skipped, run_dir / "main_ppo.log")
+        error = None
+        if rc != 0:
+            error = first_error_line(run_dir) or f"exit {rc}, no error line in {run_dir / 'main_ppo.log'}"
+        elif len({r["step"] for r in rows}) < preset.steps:
+            error = f"exited 0 after {len({r['step'] for r in rows})} of {preset.steps} steps"
+        outcome = RunOutcome(
+            spec, tag_rows(rows, spec), rc, skipped, run_dir / "main_ppo.log", attempt + 1, retried, error
+        )
+        if not skipped:  # a complete run keeps the record of the sweep that measured it
+            # wall-clock start and end (epoch seconds): which runs overlapped, how long each took with its retry
+            record = {**outcome.record(), "expected_steps": preset.steps, "started": started, "finished": time.time()}
+            (run_dir / "outcome.json").write_text(json.dumps(record, indent=1))
+        return outcome
 
     # results keep the preset's order whatever order the runs finish in
     futures: list[Future[RunOutcome]] = []
