@@ -4,8 +4,8 @@
 # `--dist loadfile` keeps a file on one worker, so a module's shared verl run starts once. Most of the suite's time is
 # the end-to-end runs of verl (and of vLLM's CPU build), which are CPU-bound: on a 2-core host two workers gain little
 # (1324 tests: 35m07s with two on an otherwise idle 2-core host, session 11; 1175 tests: 22m20s, 24m17s with the
-# install; the growth is the 2-worker reproducibility run with verl's own sync trainer and the side-by-side lab runs), on more cores they overlap. Extra arguments go to pytest (`-n 0`: one
-# process).
+# install; the growth is mostly the 2-worker reproducibility run with verl's own sync trainer and the side-by-side
+# lab runs), on more cores they overlap. Extra arguments go to pytest (`-n 0`: one process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
