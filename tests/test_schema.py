@@ -296,3 +296,9 @@ def test_the_configuration_doc_lists_every_key_of_the_schema():
         table = doc[doc.index(heading) :].split("\n#", 1)[0]
         for name in model.model_fields:
             assert f"`{name}`" in table or f".{name}`" in table, (heading, name)
+
+
+def test_the_guard_read_alone_is_a_switch_too():
+    # Guard.from_config documents `false` as {enable: false}: the same rule as inside `stable`
+    assert Guard.from_config(False).rules == ()
+    assert Guard.from_config(True).rules == Guard.from_config({}).rules

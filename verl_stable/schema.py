@@ -31,7 +31,7 @@ value it got. Nothing here imports verl or torch.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal, TypeVar, get_args
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
@@ -80,15 +80,6 @@ def _names(value: Any) -> Any:
     return (value,) if isinstance(value, str) else _as_tuple(value)
 
 
-def _switch(value: Any) -> Any:
-    # `monitor: false` / `guard: false` / `stable: false` mean what they say: off; `true` keeps the defaults
-    if value is True or value is None:
-        return {}
-    if value is False:
-        return {"enable": False}
-    return value
-
-
 NonNegativeInt = Annotated[int, Field(ge=0)]
 PositiveInt = Annotated[int, Field(ge=1)]
 FiniteNonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -98,6 +89,22 @@ Name = Annotated[str, Field(min_length=1)]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    switch_off: ClassVar[Mapping[str, Any] | None] = None
+    """What ``false`` written for the whole section means (None: the section is no switch, a bool is refused)."""
+
+
+def _switch(model: type[_Strict], value: Any) -> Any:
+    """A section written as a bool, for a section that is a switch: ``false`` -> its :attr:`~_Strict.switch_off`,
+    ``true`` -> its defaults; anything else as given (``stable: false`` means off, not a type error or "on")."""
+    if model.switch_off is None or not isinstance(value, bool):
+        return value
+    return dict(model.switch_off) if value is False else {}
+
+
+def _section(model: type[_Strict]) -> BeforeValidator:
+    """The validator of a nested section: null -> defaults, a bool through :func:`_switch`."""
+    return BeforeValidator(lambda v: {} if v is None else _switch(model, v))
 
 
 class RoutingOptions(_Strict):
@@ -119,7 +126,7 @@ class RoutingOptions(_Strict):
 class VerlStableSection(_Strict):
     """The top-level ``verl_stable`` key (only ``routing`` below it)."""
 
-    routing: Annotated[RoutingOptions, BeforeValidator(lambda v: {} if v is None else v)] = RoutingOptions()
+    routing: Annotated[RoutingOptions, _section(RoutingOptions)] = RoutingOptions()
 
 
 class HFEngineOptions(_Strict):
@@ -182,6 +189,8 @@ DEFAULT_TAUS = (2.0, 5.0)
 class MonitorOptions(_Strict):
     """``stable.monitor`` (see :class:`verl_stable.integration.step_monitor.MonitorConfig` for what each does)."""
 
+    switch_off: ClassVar[Mapping[str, Any]] = {"enable": False}
+
     enable: bool = True
     taus: Annotated[tuple[Annotated[float, Field(gt=1, allow_inf_nan=False)], ...], BeforeValidator(_as_tuple)] = (
         DEFAULT_TAUS
@@ -234,6 +243,8 @@ class RuleOptions(_Strict):
 class GuardOptions(_Strict):
     """``stable.guard``: ``enable``, ``use_defaults`` and ``rules`` (name -> :class:`RuleOptions` or null to drop)."""
 
+    switch_off: ClassVar[Mapping[str, Any]] = {"enable": False}
+
     enable: bool = True
     use_defaults: bool = True
     rules: Annotated[dict[Name, RuleOptions | None], BeforeValidator(lambda v: {} if v is None else v)] = {}
@@ -242,17 +253,10 @@ class GuardOptions(_Strict):
 class StableOptions(_Strict):
     """The top-level ``stable`` key: ``monitor`` and ``guard``; ``false`` turns both off."""
 
-    monitor: Annotated[MonitorOptions, BeforeValidator(_switch)] = MonitorOptions()
-    guard: Annotated[GuardOptions, BeforeValidator(_switch)] = GuardOptions()
+    switch_off: ClassVar[Mapping[str, Any]] = {"monitor": {"enable": False}, "guard": {"enable": False}}
 
-
-def stable_switch(value: Any) -> Any:
-    """``stable: false`` -> monitor and guard off; ``true`` / null -> defaults; anything else as given."""
-    if value is True or value is None:
-        return {}
-    if value is False:
-        return {"monitor": {"enable": False}, "guard": {"enable": False}}
-    return value
+    monitor: Annotated[MonitorOptions, _section(MonitorOptions)] = MonitorOptions()
+    guard: Annotated[GuardOptions, _section(GuardOptions)] = GuardOptions()
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -284,13 +288,11 @@ def parse(model: type[M], value: Any, key: str) -> M:
     Raises:
         ConfigError: naming each offending key below ``key``, what was expected and the value received.
     """
-    if model is StableOptions:
-        value = stable_switch(value)
-    value = to_plain(value)
+    value = _switch(model, to_plain(value))
     if value is None:
         value = {}
     if not isinstance(value, Mapping):
-        expected = "a mapping of options (or true / false)" if model is StableOptions else "a mapping of options"
+        expected = "a mapping of options" + ("" if model.switch_off is None else " (or true / false)")
         raise ConfigError(f"{key} must be {expected}, got {type(value).__name__} {_shown(value)}")
     bad_keys = [k for k in value if not isinstance(k, str)]
     if bad_keys:

@@ -102,7 +102,7 @@ def test_entropy_slope_is_per_training_step_across_gaps():
             {"rules": {"entropy_collapse": {"slope_tolerance": "x"}}},
             r"rules\.entropy_collapse\.slope_tolerance must be a number, got str",
         ),
-        (["rules"], r"stable\.guard must be a mapping of options, got list"),
+        (["rules"], r"stable\.guard must be a mapping of options \(or true / false\), got list"),
         ({"rules": ["entropy_collapse"]}, r"stable\.guard\.rules must be a mapping, got list"),
         (
             {"rules": {3: {"condition": "above", "metric": "x", "threshold": 1}}},
