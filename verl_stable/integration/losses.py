@@ -56,7 +56,7 @@ from verl_stable.algos.minirl import minirl_policy_loss
 from verl_stable.algos.token_batch import PolicyLossTerms
 from verl_stable.algos.vespo import VespoKernel, vespo_policy_loss
 from verl_stable.monitor.metrics import STALENESS, staleness_statistics
-from verl_stable.schema import MiniRLOptions, VespoOptions, parse
+from verl_stable.schema import MiniRLOptions, VespoOptions, parse, to_plain
 
 #: Prefix of the staleness metrics the losses return (verl logs them as is; the monitor moves them to ``stable/``).
 STALENESS_METRIC_PREFIX = f"actor/{STALENESS}/"
@@ -131,7 +131,7 @@ class StablePolicyLossConfig(PolicyLossConfig):
         for name, cls in (("minirl", MiniRLLossConfig), ("vespo", VespoLossConfig)):
             value = getattr(self, name)
             if not isinstance(value, cls):
-                object.__setattr__(self, name, _section_from_mapping(cls, value, name))
+                object.__setattr__(self, name, section_from_mapping(cls, value, name))
 
 
 _SCHEMAS: dict[type, type] = {MiniRLLossConfig: MiniRLOptions, VespoLossConfig: VespoOptions}
@@ -143,13 +143,19 @@ def _check_section(section: Any, schema: type, name: str) -> None:
     parse(schema, values, f"{SECTION_KEY}.{name}")
 
 
-def _section_from_mapping(cls: type, value: Any, name: str) -> Any:
+def section_from_mapping(cls: type, value: Any, name: str) -> Any:
+    """``policy_loss.<name>`` (a mapping, an OmegaConf node or None) as ``cls``, read with its schema.
+
+    Raises:
+        verl_stable.schema.ConfigError: naming the offending key.
+    """
     options = parse(_SCHEMAS[cls], _without_target(value), f"{SECTION_KEY}.{name}")
     return cls(**options.model_dump())
 
 
 def _without_target(value: Any) -> Any:
     # a section written with its own _target_ (hydra's spelling) carries it as a key; it names the class, not an option
+    value = to_plain(value)
     if isinstance(value, Mapping) and "_target_" in value:
         return {k: v for k, v in value.items() if k != "_target_"}
     return value
@@ -166,7 +172,7 @@ def _get(obj: Any, key: str, default: Any = None) -> Any:
 def _policy_loss_section(config: Any, name: str, cls: type) -> Any:
     """The ``policy_loss.<name>`` section of an actor config as ``cls``; defaults when absent."""
     section = _get(_get(config, "policy_loss"), name)
-    return section if isinstance(section, cls) else _section_from_mapping(cls, section, name)
+    return section if isinstance(section, cls) else section_from_mapping(cls, section, name)
 
 
 def _clip_ratios(config: Any) -> tuple[float, float]:

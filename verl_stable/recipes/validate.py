@@ -199,9 +199,9 @@ def option_problems(cfg: Any) -> list[str]:
     """
     from omegaconf import OmegaConf
 
+    from verl_stable.integration.losses import MiniRLLossConfig, VespoLossConfig, section_from_mapping
     from verl_stable.integration.rollout import RolloutRoutingOptions
     from verl_stable.integration.step_monitor import StableConfig
-    from verl_stable.schema import MiniRLOptions, VespoOptions, parse
 
     problems = []
     # the schema's readers, exactly as the runtime calls them (verl_configs converts them again, inside verl's
@@ -214,13 +214,9 @@ def option_problems(cfg: Any) -> list[str]:
         StableConfig.from_trainer_config(cfg)
     except (ValueError, TypeError) as exc:
         problems.append(str(exc))
-    loss_key = "actor_rollout_ref.actor.policy_loss"
-    for name, schema in (("minirl", MiniRLOptions), ("vespo", VespoOptions)):
-        section = config_value(cfg, f"{loss_key}.{name}")
-        if section is not None and hasattr(section, "keys"):
-            section = {k: v for k, v in OmegaConf.to_container(section, resolve=True).items() if k != "_target_"}
+    for name, cls in (("minirl", MiniRLLossConfig), ("vespo", VespoLossConfig)):
         try:
-            parse(schema, section, f"{loss_key}.{name}")
+            section_from_mapping(cls, config_value(cfg, f"actor_rollout_ref.actor.policy_loss.{name}"), name)
         except (ValueError, TypeError) as exc:
             problems.append(str(exc))
     if str(config_value(cfg, "trainer.device") or "").lower() == "cpu":
