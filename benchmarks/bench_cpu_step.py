@@ -25,8 +25,8 @@ PHASES = ("gen", "old_log_prob", "adv", "update_actor", "update_weights")
 
 
 def bench_e2e(workdir: Path, steps: int, poll: float | None) -> dict[str, float]:
-    from verl_stable.cpu.launch import cpu_overrides, read_metrics, run_main_ppo
-    from verl_stable.lab.assets import ensure_assets
+    from verl_stable.toy.assets import ensure_assets
+    from verl_stable.toy.launch import cpu_overrides, read_metrics, run_main_ppo
 
     assets = ensure_assets(workdir / "assets")
     name = f"poll_{poll if poll is not None else 'verl'}"
@@ -62,9 +62,9 @@ def bench_generation(rounds: int, max_tokens: int) -> dict[str, tuple[float, flo
     """
     from transformers import AutoModelForCausalLM
 
-    from verl_stable.cpu.generation import KVCachedSampler, SamplingSpec
-    from verl_stable.cpu.hf_rollout import routing_exporter
-    from verl_stable.lab.assets import AssetSpec, ensure_assets
+    from verl_stable.backends.hf.generation import KVCachedSampler, SamplingSpec
+    from verl_stable.backends.hf.rollout import routing_exporter
+    from verl_stable.toy.assets import AssetSpec, ensure_assets
 
     assets = ensure_assets(Path("/tmp/bench_cpu_gen_assets"), AssetSpec(max_position_embeddings=512))
     model = AutoModelForCausalLM.from_pretrained(assets.model_dir, dtype=torch.float32).eval()
@@ -103,7 +103,7 @@ def _capture_work_share(sampler, prompt, spec, capture, to_array, rounds: int) -
     """Per round: thread CPU time inside the capture code (router hooks, set-up/tear-down, export array) divided by a
     plain generation's. Counting the added work directly is immune to the load of other processes; it leaves out
     torch's own hook dispatch (a few microseconds per router call)."""
-    from verl_stable.cpu.hf_rollout import RouterIdsRecorder
+    from verl_stable.backends.hf.rollout import RouterIdsRecorder
 
     spent = [0.0]
 

@@ -16,12 +16,12 @@ they sample):
 The routing variants share a group's prompt rows as the recipe does: only where that saves
 ``share_prompt_rows_min_bytes`` (default 2 MiB; this shape's groups save a few hundred bytes, so they keep their
 rows). ``--share-min-bytes 0`` shares every group, which is what the side entries of
-:mod:`verl_stable.integration.rollout.sharing` cost at this shape; ``--no-share-prompt-rows`` turns sharing off
+:mod:`verl_stable.transport.sharing` cost at this shape; ``--no-share-prompt-rows`` turns sharing off
 (``+verl_stable.routing.share_prompt_rows=false``).
 
 ``--ladder`` adds the steps in between, each one feature more than the last, all on ``stable_sync`` with its monitor
 and guard switched off (verl's own ``sync`` trainer would make the plugin's workers put samples one after another,
-see ``integration/rollout/seeding.py``): ``export`` (the rollout's routing through the plugin's agent-loop manager;
+see ``transport/seeding.py``): ``export`` (the rollout's routing through the plugin's agent-loop manager;
 with ``router_replay.mode`` disabled the engine only observes it: records the routing it used and logs the
 disagreement) and ``replay`` (+ R3).
 
@@ -220,8 +220,8 @@ def overrides(
     share_min_bytes: int | None = None,
 ) -> list[str]:
     """The hydra overrides of one run of ``variant`` at ``dp`` actor ranks (and as many rollout replicas)."""
-    from verl_stable.cpu import launch
-    from verl_stable.integration import rollout
+    from verl_stable.toy import launch
+    from verl_stable.transport.options import MANAGER_FQN
 
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
@@ -243,7 +243,7 @@ def overrides(
         "actor_rollout_ref.rollout.ignore_eos=True",  # the same number of tokens in both variants
     ]
     if level >= 1:
-        ov += [f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={rollout.MANAGER_FQN}"]
+        ov += [f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={MANAGER_FQN}"]
         ov += ["trainer.v1.trainer_mode=stable_sync"]
         if not share_prompt_rows:
             ov.append("+verl_stable.routing.share_prompt_rows=false")
@@ -271,7 +271,7 @@ def run(
     share_prompt_rows: bool = True,
     share_min_bytes: int | None = None,
 ) -> list[dict]:
-    from verl_stable.cpu import launch
+    from verl_stable.toy import launch
 
     ov = overrides(
         variant,
@@ -426,8 +426,8 @@ def main() -> None:
     if args.steps < 2 or args.runs < 1:
         parser.error("need --steps >= 2 (the first step is not timed) and --runs >= 1")
 
-    from verl_stable.cpu import launch
-    from verl_stable.lab.assets import AssetSpec, ensure_assets
+    from verl_stable.toy import launch
+    from verl_stable.toy.assets import AssetSpec, ensure_assets
 
     workdir = Path(args.workdir)
     kw = {

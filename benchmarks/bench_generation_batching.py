@@ -27,10 +27,10 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
 def bench(batch_sizes: list[int], rounds: int, max_tokens: int, precision: str) -> dict[int, dict[str, tuple]]:
     from transformers import AutoModelForCausalLM
 
-    from verl_stable.cpu.generation import KVCachedSampler, SamplingSpec
-    from verl_stable.cpu.hf_rollout import routing_exporter
-    from verl_stable.cpu.precision import apply_precision_
-    from verl_stable.lab.assets import AssetSpec, ensure_assets
+    from verl_stable.backends.hf.generation import KVCachedSampler, SamplingSpec
+    from verl_stable.backends.hf.precision import apply_precision_
+    from verl_stable.backends.hf.rollout import routing_exporter
+    from verl_stable.toy.assets import AssetSpec, ensure_assets
 
     assets = ensure_assets(Path("/tmp/bench_cpu_gen_assets"), AssetSpec(max_position_embeddings=512))
     model = AutoModelForCausalLM.from_pretrained(assets.model_dir, dtype=torch.float32).eval()

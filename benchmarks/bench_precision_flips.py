@@ -1,6 +1,6 @@
 """How often rollout precision flips MoE routing, and how far it moves the token distribution (CPU).
 
-For each rollout setting -- a precision ``p`` of ``verl_stable.cpu.precision`` (bf16, fp16, fp8 weights, fp8
+For each rollout setting -- a precision ``p`` of ``verl_stable.backends.hf.precision`` (bf16, fp16, fp8 weights, fp8
 weights + activations ``fp8_w8a8``, ``int4`` weights: what the ``hf`` rollout backend samples with), optionally with
 the inference-only router perturbation written ``p@sigma`` (``fp8@0.3``: fp8 weights, routers perturbed by
 ``0.3 * rms(W_g) * E``, labelled as the stand-in it is) -- a copy of an fp32 model is run on the same tokens as the
@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from verl_stable.cpu.precision import PRECISIONS as ALL_PRECISIONS
-from verl_stable.cpu.precision import precision_copy
+from verl_stable.backends.hf.precision import PRECISIONS as ALL_PRECISIONS
+from verl_stable.backends.hf.precision import precision_copy
 from verl_stable.routing import bind_model, capture, routing_disagreement
 
 PRECISIONS = ("bf16", "fp16", "fp8")
@@ -109,8 +109,8 @@ def task_tokens(tokenizer: object, task: str, batch: int, seed: int) -> tuple[to
         ``(ids, attention_mask, response_positions)``; ``response_positions[b, t]`` marks the positions whose next
         token is a response token (answer, eos): the tokens a rollout samples and the monitor's KL is taken over.
     """
-    from verl_stable.lab import tasks
     from verl_stable.lab.coldstart import encode_examples
+    from verl_stable.toy import tasks
 
     ids, attn, targets = encode_examples(tokenizer, tasks.make_examples(task, batch, seed=10_000 + seed))
     response = torch.zeros_like(targets)

@@ -10,7 +10,7 @@ x ``--n`` responses with prompt lengths U[P/4, P] and response lengths U[R/64, R
   (``+verl_stable.routing.share_prompt_rows=false``): prompt rows once per *sample*;
 * ``stable-shared``: what verl-stable's V1 agent-loop workers put by default: the per-sample fields without the
   prompt rows of a group (``+ stable_routing_prompt_ref``) plus one side entry of prompt rows per group
-  (:func:`~verl_stable.integration.rollout.shared_sample_fields`), for the groups whose sharing saves at least
+  (:func:`~verl_stable.transport.sharing.shared_sample_fields`), for the groups whose sharing saves at least
   ``--share-min-bytes`` (default 2 MiB, the workers' ``share_prompt_rows_min_bytes``; here a prompt of >= 781
   tokens at n = 8); the others keep their rows per sample;
 * ``stable-packed``: verl-stable's :class:`PackedRouting` (one object per batch, prompt rows once per group).
@@ -40,15 +40,13 @@ import numpy as np
 import psutil
 import torch
 
-from verl_stable.integration.rollout import (
-    BOUNDARY_COLUMNS,
-    DEFAULT_SHARE_MIN_BYTES,
-    PromptRowSharing,
-    shared_sample_fields,
-)
 from verl_stable.routing.codecs import decode_vllm
 from verl_stable.routing.trace import RoutingLayout
-from verl_stable.routing.transport import IDS_FIELD, PackedRouting, sample_fields
+from verl_stable.transport.boundary import BOUNDARY_COLUMNS
+from verl_stable.transport.fields import IDS_FIELD, sample_fields
+from verl_stable.transport.options import DEFAULT_SHARE_MIN_BYTES
+from verl_stable.transport.packed import PackedRouting
+from verl_stable.transport.sharing import PromptRowSharing, shared_sample_fields
 
 LAYOUT = RoutingLayout("qwen3_moe", "qwen3_moe", 48, tuple(range(48)), 8, 128)
 

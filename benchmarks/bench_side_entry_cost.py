@@ -1,6 +1,6 @@
 """What a shared-prompt side entry costs against the bytes it saves: the break-even behind ``share_prompt_rows_min_bytes``.
 
-A group that shares its prompt rows (:mod:`verl_stable.integration.rollout.sharing`) pays fixed costs: one
+A group that shares its prompt rows (:mod:`verl_stable.transport.sharing`) pays fixed costs: one
 TransferQueue put of its side entry (awaited by its siblings) and a share of one read per actor rank and step. It
 saves moving ``(n - 1) x`` its prompt rows' bytes in its samples' own puts and in every read of them (verl's V1
 actors read a sample's routing for the old-log-prob pass and again for the update). Sharing pays when

@@ -30,9 +30,9 @@ CONFIGS = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    from verl_stable.cpu import launch
-    from verl_stable.integration import rollout
-    from verl_stable.lab.assets import ensure_assets
+    from verl_stable.toy import launch
+    from verl_stable.toy.assets import ensure_assets
+    from verl_stable.transport.options import MANAGER_FQN
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2)
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
             *extra,
             f"trainer.default_local_dir={root / name / 'checkpoints'}",
             "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
-            f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={rollout.MANAGER_FQN}",
+            f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={MANAGER_FQN}",
             "trainer.v1.trainer_mode=stable_sync",
         ]
         start = time.perf_counter()

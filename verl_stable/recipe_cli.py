@@ -3,7 +3,7 @@
 ``list``, ``path`` and ``command`` read the regime table and the recipe files; ``show`` composes a recipe on verl's
 config with overrides; ``check`` composes, converts to verl's dataclasses and checks the regime, one line per problem
 (exit 1 when there is one); ``run-cpu`` runs an fsdp recipe with verl's trainer on the CPU runtime
-(:func:`verl_stable.cpu.launch.run_recipe`). Names, numbers and overrides are checked (syntax, composition,
+(:func:`verl_stable.toy.launch.run_recipe`). Names, numbers and overrides are checked (syntax, composition,
 :func:`verl_stable.recipes.preflight`) before anything is composed, built or run; a bad one is answered with exit
 code 2 and a message.
 """
@@ -15,7 +15,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from verl_stable.argtypes import positive_int
-from verl_stable.cpu import launch
 from verl_stable.recipes import (
     BACKENDS,
     REGIMES,
@@ -31,6 +30,7 @@ from verl_stable.recipes import (
     unknown_recipe_keys,
     verl_configs,
 )
+from verl_stable.toy import launch
 
 
 def _cmd_list(out: Callable[[str], None]) -> int:

@@ -187,7 +187,7 @@ DEFAULT_TAUS = (2.0, 5.0)
 
 
 class MonitorOptions(_Strict):
-    """``stable.monitor`` (see :class:`verl_stable.integration.step_monitor.MonitorConfig` for what each does)."""
+    """``stable.monitor`` (see :class:`verl_stable.monitor.step.MonitorConfig` for what each does)."""
 
     switch_off: ClassVar[Mapping[str, Any]] = {"enable": False}
 

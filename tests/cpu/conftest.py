@@ -45,7 +45,7 @@ def tiny_moe():
 
 @pytest.fixture(scope="session")
 def cpu_assets(tmp_path_factory):
-    from verl_stable.cpu.assets import AssetSpec, ensure_assets
+    from verl_stable.toy.assets import AssetSpec, ensure_assets
 
     spec = AssetSpec(num_train=8, num_val=4, hidden_size=32, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
     return ensure_assets(tmp_path_factory.mktemp("assets"), spec)

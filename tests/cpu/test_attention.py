@@ -176,7 +176,7 @@ def test_register_only_where_the_cpu_platform_is_selected(monkeypatch):
     from transformers import AttentionInterface
     from verl.models.transformers import monkey_patch
 
-    from verl_stable.integration.import_hooks import hooks_restored
+    from verl_stable.compat.import_hooks import hooks_restored
 
     monkeypatch.setattr(monkey_patch, "_flash_attention_forward", monkey_patch._flash_attention_forward)
     monkeypatch.setenv("VERL_PLATFORM", "cuda")

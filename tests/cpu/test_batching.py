@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from verl_stable.cpu.batching import RequestBatcher
+from verl_stable.backends.hf.batching import RequestBatcher
 
 
 def _recording_batcher(**kwargs):

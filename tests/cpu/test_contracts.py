@@ -1,7 +1,7 @@
 """The verl contracts the CPU runtime relies on: all hold on verl 0.9.1, and a broken one is named.
 
 Each module of the runtime declares its own contracts (``CONTRACTS``, ``check_contracts()``); the doctor collects them
-in one way (:func:`verl_stable.cpu.runtime.contract_modules`). The mechanism itself (:mod:`verl_stable.cpu.contracts`)
+in one way (:func:`verl_stable.cpu.runtime.contract_modules`). The mechanism itself (:mod:`verl_stable.compat.contracts`)
 knows no module.
 """
 
@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from verl_stable.cpu import contracts, engines, hf_rollout, platform, polling, runtime, vllm_rollout
+from verl_stable.backends.hf import rollout as hf_rollout
+from verl_stable.backends.vllm_cpu import rollout as vllm_rollout
+from verl_stable.compat import contracts
+from verl_stable.cpu import engines, platform, polling, runtime
 
 # The names ``verl-stable doctor`` printed before the contracts moved into their modules, in that set.
 CPU_CONTRACTS = {
@@ -75,7 +78,7 @@ def test_version_pin_is_checked(monkeypatch):
 
 
 def test_server_method_drift_is_detected(monkeypatch):
-    from verl_stable.cpu.hf_rollout import HFRolloutServer
+    from verl_stable.backends.hf.rollout import HFRolloutServer
 
     monkeypatch.delattr(HFRolloutServer, "release_kv_cache")
     (result,) = hf_rollout.check_contracts(["server_methods"])

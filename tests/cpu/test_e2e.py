@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from verl_stable.cpu.launch import cpu_overrides, read_metrics, run_main_ppo
+from verl_stable.toy.launch import cpu_overrides, read_metrics, run_main_ppo
 
 pytestmark = pytest.mark.e2e
 

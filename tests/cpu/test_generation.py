@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from verl_stable.cpu.generation import (
+from verl_stable.backends.hf.generation import (
     KVCachedSampler,
     SamplingSpec,
     process_logits,
     teacher_forced_logprobs,
 )
-from verl_stable.cpu.precision import precision_copy
+from verl_stable.backends.hf.precision import precision_copy
 
 
 def test_process_logits_by_hand():
@@ -128,7 +128,7 @@ def test_batch_equals_one_request_at_a_time(tiny_moe):
 
 
 def test_batch_routing_rows_select_each_requests_own_rows(tiny_moe):
-    from verl_stable.cpu.hf_routing import routing_exporter
+    from verl_stable.backends.hf.routing import routing_exporter
     from verl_stable.routing import capture
 
     exporter = routing_exporter(tiny_moe)

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 import torch
 
-from verl_stable.cpu import hf_rollout
-from verl_stable.cpu.precision import dequantize_fp8_rows, quantize_fp8_rows
+from verl_stable.backends.hf import rollout as hf_rollout
+from verl_stable.backends.hf.precision import dequantize_fp8_rows, quantize_fp8_rows
 
 
 def test_options_from_verl_knobs():
@@ -21,7 +21,8 @@ def test_options_from_verl_knobs():
 
 
 def test_the_command_line_precisions_are_the_backends():
-    from verl_stable.cpu import hf_options, precision
+    from verl_stable.backends.hf import options as hf_options
+    from verl_stable.backends.hf import precision
 
     assert set(hf_options.PRECISIONS) == set(precision.PRECISIONS) and len(hf_options.PRECISIONS) == 6
 
@@ -107,7 +108,7 @@ def _server(cpu_assets, **rollout):
 def test_server_generate_honours_verls_contract(cpu_assets):
     from verl.workers.rollout.replica import TokenOutput
 
-    from verl_stable.cpu.generation import teacher_forced_logprobs
+    from verl_stable.backends.hf.generation import teacher_forced_logprobs
 
     server = _server(cpu_assets)
     prompt = [3, 7, 5, 9, 20, 4, 5, 3, 8, 5]
@@ -129,7 +130,7 @@ def test_server_generate_honours_verls_contract(cpu_assets):
 
 
 def hf_rollout_server_methods():
-    from verl_stable.cpu.hf_rollout import server_methods_called
+    from verl_stable.backends.hf.rollout import server_methods_called
 
     return sorted(server_methods_called())
 

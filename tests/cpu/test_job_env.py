@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_stable.cpu.trainer_process import JOB_ENV_KEY, cpu_env, hydra_quote, job_env, job_env_overrides
+from verl_stable.toy.trainer_process import JOB_ENV_KEY, cpu_env, hydra_quote, job_env, job_env_overrides
 
 TRICKY = ["cpu", "0.1", "true", "null", "1e3", "", "/tmp/a b/metrics.jsonl", "it's", "a\\b", "end\\", "\\'", "x${y}"]
 
@@ -44,8 +44,8 @@ def test_cpu_run_overrides_put_the_platform_and_run_variables_into_the_job_runti
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from verl_stable.cpu.assets import asset_paths
-    from verl_stable.cpu.launch import cpu_overrides
+    from verl_stable.toy.assets import asset_paths
+    from verl_stable.toy.launch import cpu_overrides
 
     overrides = cpu_overrides(asset_paths(tmp_path / "assets"))
     overrides += job_env(cpu_env(tmp_path / "metrics.jsonl", 0.1, base={}), overrides)
@@ -63,7 +63,7 @@ def test_cpu_run_overrides_put_the_platform_and_run_variables_into_the_job_runti
 def test_run_main_ppo_passes_its_variables_in_the_job_runtime_env(tmp_path, monkeypatch):
     import subprocess
 
-    from verl_stable.cpu import trainer_process
+    from verl_stable.toy import trainer_process
 
     seen: list[list[str]] = []
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_stable.cpu import precision
+from verl_stable.backends.hf import precision
 
 
 def test_fp8_rows_round_trip_error_is_bounded_by_e4m3_resolution():
@@ -126,7 +126,7 @@ def test_router_perturbation_is_fixed_relative_and_only_on_routers(tiny_moe):
 
 
 def test_weight_sync_reapplies_quantisation_and_the_router_perturbation(tiny_moe):
-    from verl_stable.cpu.hf_weights import WeightLoader
+    from verl_stable.backends.hf.weights import WeightLoader
 
     for prec, noise in (("int4", 0.0), ("fp8", 0.2)):
         served = precision.precision_copy(tiny_moe, prec, router_noise=noise)

@@ -19,7 +19,7 @@ def _compose(config_dir, name, overrides):
 def test_recipe_matches_launcher(cpu_assets):
     import verl.trainer.config as verl_config
 
-    from verl_stable.cpu.launch import cpu_overrides
+    from verl_stable.toy.launch import cpu_overrides
 
     paths = [
         f"data.train_files={cpu_assets.train_file}",
@@ -58,7 +58,7 @@ def test_kl_loss_overrides_pass_verls_config_validation(cpu_assets):
     import verl.trainer.config as verl_config
     from verl.utils.config import validate_config
 
-    from verl_stable.cpu.launch import cpu_overrides
+    from verl_stable.toy.launch import cpu_overrides
 
     config_dir = Path(verl_config.__file__).parent
     cfg = _compose(config_dir, "ppo_trainer", cpu_overrides(cpu_assets, kl_loss_coef=0.05))

@@ -24,9 +24,9 @@ import math
 
 import pytest
 
-from verl_stable.cpu import tasks
-from verl_stable.cpu.launch import read_metrics, run_main_ppo
 from verl_stable.lab import variants as V
+from verl_stable.toy import tasks
+from verl_stable.toy.launch import read_metrics, run_main_ppo
 
 pytestmark = pytest.mark.e2e
 

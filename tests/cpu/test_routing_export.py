@@ -8,7 +8,8 @@ import shutil
 import pytest
 import torch
 
-from verl_stable.cpu import hf_routing, hf_server
+from verl_stable.backends.hf import routing as hf_routing
+from verl_stable.backends.hf import server as hf_server
 from verl_stable.routing import RoutingTrace, UnsupportedModelError, capture, replay
 
 PROMPT = [3, 7, 5, 9, 20, 4, 5, 3, 8, 5]
@@ -67,7 +68,7 @@ def test_unroutable_model_family_is_a_clear_error(cpu_assets, tmp_path):
 
 
 def test_lean_generation_capture_equals_general_capture(tiny_moe):
-    from verl_stable.cpu.generation import KVCachedSampler, SamplingSpec
+    from verl_stable.backends.hf.generation import KVCachedSampler, SamplingSpec
 
     capture_factory, to_array, _ = hf_routing.routing_exporter(tiny_moe)
     sampler = KVCachedSampler(tiny_moe, max_model_len=32)

@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from verl_stable.cpu import hf_options, hf_routing
-from verl_stable.integration.rollout.boundary import compact_token_routing
-from verl_stable.integration.rollout.config import RolloutRoutingOptions
+from verl_stable.backends.hf import options as hf_options
+from verl_stable.backends.hf import routing as hf_routing
 from verl_stable.routing.codecs import BoundaryStats, ExpertIdRangeError
 from verl_stable.routing.families import bind_model
+from verl_stable.transport.boundary import compact_token_routing
+from verl_stable.transport.options import RolloutRoutingOptions
 
 
 def test_option_defaults_off_and_is_checked():
@@ -72,7 +73,7 @@ def test_the_server_corrupts_every_kth_request_from_its_engine_kwargs(cpu_assets
 
     from verl.workers.config import HFModelConfig, RolloutConfig
 
-    from verl_stable.cpu import hf_server
+    from verl_stable.backends.hf import server as hf_server
 
     cfg = RolloutConfig(
         name="hf",

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from verl_stable.cpu.generation import KVCachedSampler, SamplingSpec
+from verl_stable.backends.hf.generation import KVCachedSampler, SamplingSpec
 
 PROMPTS = [[5, 6, 7], [9, 2, 4], [5, 6, 7], [1, 1, 3], [3, 3, 3], [7, 8, 9]]  # one length: one batch key
 LOGPROB_TOL = 1e-6  # batched matrix products may sum in another order than a batch of one
@@ -75,7 +75,7 @@ def test_seeded_requests_leave_the_global_stream_alone_unseeded_ones_use_it(tiny
 def _server(cpu_assets, max_batch_size: int):
     from verl.workers.config import HFModelConfig, RolloutConfig
 
-    from verl_stable.cpu import hf_rollout
+    from verl_stable.backends.hf import rollout as hf_rollout
 
     cfg = RolloutConfig(
         name="hf",

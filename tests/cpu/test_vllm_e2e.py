@@ -19,6 +19,8 @@ import json
 
 import pytest
 
+from verl_stable.transport.boundary import TRANSPORT_METRIC_PREFIX
+
 pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (VERL_STABLE_NO_VLLM=1)")
 
 FP32_TRAINING = (
@@ -31,16 +33,16 @@ RESPONSE_LEN = 4  # cpu_overrides' max_response_length
 
 @pytest.fixture(scope="module")
 def vllm_assets(tmp_path_factory):
-    from verl_stable.cpu import launch
-    from verl_stable.lab.assets import ensure_assets
+    from verl_stable.toy import launch
+    from verl_stable.toy.assets import ensure_assets
 
     return ensure_assets(tmp_path_factory.mktemp("vllm_assets"), launch.asset_spec("vllm"))
 
 
 def _run_r3_with_faults(assets, tmp):
     """The shared run's command (see the module docstring) in ``tmp``; returns (metrics rows, log, dumped samples)."""
-    from verl_stable.cpu import launch
-    from verl_stable.integration import rollout
+    from verl_stable.toy import launch
+    from verl_stable.transport.options import MANAGER_FQN
 
     overrides = launch.cpu_overrides(
         assets, steps=2, precision="fp32", routing_capture=True, metrics_logger=("file",), engine="vllm"
@@ -53,7 +55,7 @@ def _run_r3_with_faults(assets, tmp):
         "actor_rollout_ref.actor.ppo_mini_batch_size=2",  # two update mini-steps per step
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",  # two micro-batches per mini-step
         "actor_rollout_ref.rollout.ignore_eos=True",  # every response RESPONSE_LEN tokens
-        f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={rollout.MANAGER_FQN}",
+        f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={MANAGER_FQN}",
         "+verl_stable.routing.share_prompt_rows_min_bytes=0",  # share every group: the path under test
         f"+actor_rollout_ref.rollout.engine_kwargs.vllm.corrupt_routing_every={CORRUPT_EVERY}",  # fault injection
         "+verl_stable.routing.on_invalid=skip_sample",
@@ -107,7 +109,6 @@ def test_vllm_serves_the_synced_policy_exactly(vllm_run):
 @pytest.mark.e2e
 def test_r3_replays_vllms_routed_experts_through_the_compact_transport(vllm_run):
     from verl_stable.integration import fsdp_engine as fe
-    from verl_stable.integration import rollout
 
     rows, _, _ = vllm_run
     for row in rows:
@@ -117,7 +118,7 @@ def test_r3_replays_vllms_routed_experts_through_the_compact_transport(vllm_run)
         # apart before the CPU MoE reload fix); the second mini-step runs on updated weights, and its router drifts.
         assert row[f"{fe.METRIC_PREFIX}update_0/router_disagreement"] == 0.0
         assert row[f"{fe.METRIC_PREFIX}update_1/router_disagreement"] > 0.0
-        transport = {k.removeprefix(rollout.TRANSPORT_METRIC_PREFIX): v for k, v in row.items() if "transport/" in k}
+        transport = {k.removeprefix(TRANSPORT_METRIC_PREFIX): v for k, v in row.items() if "transport/" in k}
         # every payload vLLM returned passed the boundary; only the injected faults (out-of-range ids) were skipped
         assert transport["samples"] == SAMPLES_PER_STEP
         assert 0 < transport["skipped_samples"] == transport["error/ExpertIdRangeError"] < SAMPLES_PER_STEP
@@ -129,14 +130,13 @@ def test_r3_replays_vllms_routed_experts_through_the_compact_transport(vllm_run)
 def test_a_bad_routing_payload_from_vllm_is_skipped_counted_and_warned_about(vllm_run, moe_layers):
     """``on_invalid=skip_sample`` with real vLLM: the boundary refuses the corrupted payloads by class, the replay
     coverage shows the drop exactly, and the guard's replay_coverage rule fires (a warning: the run goes on)."""
-    from verl_stable.integration import rollout
     from verl_stable.monitor.routing_metrics import COVERAGE
 
     rows, log, _ = vllm_run
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         # the seeds (hashes of the samples' identities) decide which samples are corrupted: about one in 3
-        corrupted = row[f"{rollout.TRANSPORT_METRIC_PREFIX}error/ExpertIdRangeError"]
+        corrupted = row[f"{TRANSPORT_METRIC_PREFIX}error/ExpertIdRangeError"]
         assert corrupted == int(corrupted) and 1 <= corrupted <= SAMPLES_PER_STEP - 1
         replayed = SAMPLES_PER_STEP - corrupted
         assert row[f"{COVERAGE}/response_replayed"] == pytest.approx(replayed / SAMPLES_PER_STEP, abs=1e-9)
@@ -153,7 +153,7 @@ def test_a_bad_routing_payload_from_vllm_is_skipped_counted_and_warned_about(vll
 def vllm_r2_run(vllm_assets, tmp_path_factory):
     """The shipped N = 2 regime (``recipes/fsdp/minirl_n2_r2.yaml``: minirl, R2, stable_sync), vLLM bf16 rollouts."""
     from verl_stable import recipes
-    from verl_stable.cpu import launch
+    from verl_stable.toy import launch
 
     tmp = tmp_path_factory.mktemp("vllm_r2")
     assets = vllm_assets

@@ -1,7 +1,7 @@
 """Multi-turn rollouts with verl's own vLLM rollout on vLLM's CPU build, R3 through the compact transport.
 
 verl 0.9.1 has no interaction (user simulator) and the tiny tokenizer cannot spell a tool call, so the test runs
-verl's ``ToolAgentLoop`` with the project's test-only simulated user (:mod:`verl_stable.cpu.interactions`): every
+verl's ``ToolAgentLoop`` with the project's test-only simulated user (:mod:`verl_stable.toy.interactions`): every
 sample is assistant turn, user turn (the question again), assistant turn. Each turn is its own request to vLLM; the
 last request's routed experts cover the whole conversation, and the boundary must accept every sample and R3 replay
 all of them. ``response_length`` is set so that the last turn of most samples crosses it: verl's ``ToolAgentLoop``
@@ -13,6 +13,8 @@ by the assertions (131 and 169 s on the 2-core machine shared with other runs).
 from __future__ import annotations
 
 import pytest
+
+from verl_stable.transport.boundary import TRANSPORT_METRIC_PREFIX
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (VERL_STABLE_NO_VLLM=1)")
 
@@ -28,9 +30,9 @@ MAX_RESPONSE_LENGTH = 16
 
 @pytest.fixture(scope="module")
 def vllm_multi_turn_run(tmp_path_factory):
-    from verl_stable.cpu import interactions, launch
-    from verl_stable.integration import rollout
-    from verl_stable.lab.assets import ensure_assets
+    from verl_stable.toy import interactions, launch
+    from verl_stable.toy.assets import ensure_assets
+    from verl_stable.transport.options import MANAGER_FQN
 
     tmp = tmp_path_factory.mktemp("vllm_multi_turn")
     assets = ensure_assets(tmp / "assets", launch.asset_spec("vllm"))
@@ -48,7 +50,7 @@ def vllm_multi_turn_run(tmp_path_factory):
         f"trainer.default_local_dir={tmp / 'checkpoints'}",
         FP32_TRAINING,
         "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
-        f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={rollout.MANAGER_FQN}",
+        f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={MANAGER_FQN}",
         "+verl_stable.routing.share_prompt_rows_min_bytes=0",  # share every group: the path under test
         "trainer.v1.trainer_mode=stable_sync",
     ]
@@ -60,11 +62,10 @@ def vllm_multi_turn_run(tmp_path_factory):
 
 @pytest.mark.e2e
 def test_multi_turn_samples_carry_vllms_routing_and_r3_replays_it(vllm_multi_turn_run):
-    from verl_stable.integration import rollout
     from verl_stable.monitor.routing_metrics import COVERAGE
 
     rows = vllm_multi_turn_run
-    prefix = rollout.TRANSPORT_METRIC_PREFIX
+    prefix = TRANSPORT_METRIC_PREFIX
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         # verl's count: user turns + assistant turns + 1 = 4 for every sample (prompt, answer, question, answer)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from verl_stable.transport.boundary import TRANSPORT_METRIC_PREFIX
+
 pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (VERL_STABLE_NO_VLLM=1)")
 
 FP32_TRAINING = (
@@ -22,9 +24,9 @@ def vllm_partial_run(tmp_path_factory):
     (vLLM's ``pause_generation``), updates the weights and resumes them: its client re-sends prompt + tokens so far and
     joins the routing. Responses up to 64 tokens, ended by EOS (lengths differ), so some of the batch sampled ahead are
     caught mid-generation."""
-    from verl_stable.cpu import launch
-    from verl_stable.integration import rollout
-    from verl_stable.lab.assets import ensure_assets
+    from verl_stable.toy import launch
+    from verl_stable.toy.assets import ensure_assets
+    from verl_stable.transport.options import MANAGER_FQN
 
     tmp = tmp_path_factory.mktemp("vllm_partial")
     assets = ensure_assets(tmp / "assets", launch.asset_spec("vllm"))
@@ -40,7 +42,7 @@ def vllm_partial_run(tmp_path_factory):
     overrides += [
         FP32_TRAINING,
         "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
-        f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={rollout.MANAGER_FQN}",
+        f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={MANAGER_FQN}",
         "+verl_stable.routing.share_prompt_rows_min_bytes=0",  # share every group: the path under test
         "trainer.v1.trainer_mode=stable_colocate_async",
         # steps 2 and 3 train on samples drawn (mostly) by the previous weights: KL(mu || pi_old) holds that lag
@@ -66,14 +68,13 @@ def test_partial_rollouts_carry_vllms_routing_across_the_weight_update(vllm_part
     """A sample generated under two weight versions (verl's ``trajectory_spans`` = 2) arrives with routing rows for
     every token its engine calls fed, the first part's from the old weights: the boundary accepts every sample and R3
     replays all of them."""
-    from verl_stable.integration import rollout
     from verl_stable.monitor.routing_metrics import COVERAGE
 
     rows = vllm_partial_run
     assert [r["step"] for r in rows] == [1, 2, 3]
     for row in rows:
-        assert row[f"{rollout.TRANSPORT_METRIC_PREFIX}samples"] == SAMPLES_PER_STEP
-        assert row[f"{rollout.TRANSPORT_METRIC_PREFIX}skipped_samples"] == 0.0
+        assert row[f"{TRANSPORT_METRIC_PREFIX}samples"] == SAMPLES_PER_STEP
+        assert row[f"{TRANSPORT_METRIC_PREFIX}skipped_samples"] == 0.0
         assert row[f"{COVERAGE}/response_replayed"] == 1.0
         assert row["stable/routing/disagreement"] == 0.0
     assert rows[0]["training/off_policy/trajectory_spans/max"] == 1  # the batch sampled before any update

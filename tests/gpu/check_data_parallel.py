@@ -1,18 +1,18 @@
 """Device check: R3 and R2 router replay under data parallelism, dp = 1 against dp = N on one node, in verl's main_ppo.
 
 Not collected by pytest. Runs verl's own trainer (``python -m verl.trainer.main_ppo`` in a subprocess, as
-:func:`verl_stable.cpu.launch.run_main_ppo` does) on a tiny Qwen3-MoE built here from a config
-(:func:`verl_stable.cpu.assets.ensure_assets` with :func:`verl_stable.cpu.launch.asset_spec` ``("vllm")``: a head size
+:func:`verl_stable.toy.launch.run_main_ppo` does) on a tiny Qwen3-MoE built here from a config
+(:func:`verl_stable.toy.assets.ensure_assets` with :func:`verl_stable.toy.launch.asset_spec` ``("vllm")``: a head size
 vLLM serves), twice per regime -- one actor rank and one rollout replica, then N of each -- and compares the runs:
 
 * ``r3``: R3 replays the rollout's routing, sent through the compact transport (the agent-loop manager
-  :data:`verl_stable.integration.rollout.MANAGER_FQN`, which also seeds every sample), ``trainer.v1.trainer_mode=
+  :data:`verl_stable.transport.options.MANAGER_FQN`, which also seeds every sample), ``trainer.v1.trainer_mode=
   stable_sync``, ``balance_batch`` and dynamic batch sizes; one update per step (the batch is the mini-batch).
 * ``r2``: the shipped ``recipes/fsdp/minirl_n2_r2.yaml`` (R2, N = 2 update mini-steps), the same manager,
   ``balance_batch`` and dynamic batch sizes small enough to cut each rank's share into several micro-batches.
 
 Rollout: verl's vLLM (``rollout.name=vllm``, one GPU per replica) with ``--device cuda``; with ``--device cpu`` the
-project's CPU runtime (:func:`verl_stable.cpu.launch.cpu_overrides`: gloo, fake Ray GPUs, the ``hf`` rollout), so the
+project's CPU runtime (:func:`verl_stable.toy.launch.cpu_overrides`: gloo, fake Ray GPUs, the ``hf`` rollout), so the
 script itself runs on any machine. Both runs of a pair share one geometry, sized for the larger dp (every rank gets
 samples). The tests ``tests/integration/test_data_parallel_e2e.py`` and ``..._r2_e2e.py`` make the same comparison
 at dp = 2 on CPU.
@@ -219,7 +219,7 @@ def placement(logs: dict[int, str], *, label: str, device: str, dp: int) -> list
 
 def gpu_runtime_overrides(batch_invariant: str) -> list[str]:
     """verl on one GPU node: FSDP2 actor ranks and verl's vLLM rollout, one GPU per rank and replica."""
-    from verl_stable.cpu.trainer_process import job_env_overrides
+    from verl_stable.toy.trainer_process import job_env_overrides
 
     return [
         "trainer.device=cuda",
@@ -246,13 +246,13 @@ def run_overrides(
 ) -> list[str]:
     """main_ppo's arguments for one run: the regime on the tiny assets, ``dp`` actor ranks and rollout replicas.
 
-    The CPU builders of :mod:`verl_stable.cpu.launch` give the model, data, reward and geometry; on GPU their
+    The CPU builders of :mod:`verl_stable.toy.launch` give the model, data, reward and geometry; on GPU their
     CPU-runtime settings (platform, fake GPUs, gloo, the ``hf`` rollout) are replaced by :func:`gpu_runtime_overrides`.
     The batch is sized by ``geometry_dp`` (the pair's larger dp), so both runs of a pair train on the same batch.
     """
     from verl_stable import recipes
-    from verl_stable.cpu import launch
-    from verl_stable.integration import rollout
+    from verl_stable.toy import launch
+    from verl_stable.transport.options import MANAGER_FQN
 
     head: list[str] = []
     if regime == "r3":
@@ -272,7 +272,7 @@ def run_overrides(
         f"trainer.default_local_dir={run_dir / 'checkpoints'}",
         'trainer.logger=["file"]',
         f"trainer.n_gpus_per_node={dp}",
-        f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={rollout.MANAGER_FQN}",  # compact, seeded
+        f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={MANAGER_FQN}",  # compact, seeded
         "+verl_stable.routing.share_prompt_rows_min_bytes=0",  # share every group: the path under test
         "trainer.balance_batch=True",
         "actor_rollout_ref.actor.use_dynamic_bsz=True",
@@ -306,7 +306,7 @@ def compose(args: Sequence[str]) -> Any:
 
 def run_trainer(device: str, args: list[str], run_dir: Path, timeout_s: float) -> int:
     """``python -m verl.trainer.main_ppo args`` with its log and metrics in ``run_dir``; its exit code (124: timeout)."""
-    from verl_stable.cpu import trainer_process
+    from verl_stable.toy import trainer_process
 
     try:
         if device == "cpu":
@@ -362,8 +362,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[FAIL] cannot run: {problem}")
         return 2
 
-    from verl_stable.cpu import launch
-    from verl_stable.cpu.assets import ensure_assets
+    from verl_stable.toy import launch
+    from verl_stable.toy.assets import ensure_assets
 
     own_workdir = args.workdir is None
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="vs_check_dp_")).resolve()

@@ -148,7 +148,7 @@ def random_routing(total: int, num_layers: int, moe_layers, experts: int, top_k:
 
 def run(device: str, workdir: Path) -> None:
     from verl_stable.integration import fsdp_engine as fe
-    from verl_stable.lab.assets import AssetSpec, ensure_assets
+    from verl_stable.toy.assets import AssetSpec, ensure_assets
 
     if device == "cpu":
         from verl_stable.cpu import runtime

@@ -86,7 +86,7 @@ def main() -> int:
 
     from verl_stable.routing.codecs import decode_vllm
     from verl_stable.routing.families import layout_from_config
-    from verl_stable.routing.transport import PackedRouting
+    from verl_stable.transport.packed import PackedRouting
 
     model_path = args.model or tempfile.mkdtemp(prefix="tiny_qwen3_moe_")
     if args.model is None:

@@ -2,7 +2,7 @@
 compact transport with prompt rows once per group, ``balance_batch`` and dynamic batch sizes on.
 
 Two verl runs (dp = 1 and dp = 2, ~45 s each on 2 idle cores) shared by the assertions. Rollouts are seeded per sample
-(``integration/rollout/seeding.py``), so both runs sample the same tokens whichever replica serves a sample: the dp = 2
+(``transport/seeding.py``), so both runs sample the same tokens whichever replica serves a sample: the dp = 2
 run must then replay exactly, cover every needed row once across its ranks, and compute the same old log-probs and
 loss as the dp = 1 run. One update mini-step per step, so both runs update on the same batch; after that first Adam
 step (which moves every weight by ~lr whatever the gradient's size) the runs may part by float rounding, so the
@@ -20,9 +20,9 @@ RUNS = (1, 2)
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from verl_stable.cpu import launch
-    from verl_stable.integration import rollout
-    from verl_stable.lab.assets import AssetSpec, ensure_assets
+    from verl_stable.toy import launch
+    from verl_stable.toy.assets import AssetSpec, ensure_assets
+    from verl_stable.transport.options import MANAGER_FQN
 
     tmp = tmp_path_factory.mktemp("dp")
     assets = ensure_assets(tmp / "assets", AssetSpec(task="copy"))
@@ -36,7 +36,7 @@ def runs(tmp_path_factory):
             f"trainer.n_gpus_per_node={dp}",
             f"ray_kwargs.ray_init.num_gpus={dp}",  # one fake GPU per actor rank and rollout replica
             "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
-            f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={rollout.MANAGER_FQN}",
+            f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={MANAGER_FQN}",
             "+verl_stable.routing.share_prompt_rows_min_bytes=0",  # share every group: the path under test
             "trainer.v1.trainer_mode=stable_sync",
             "trainer.balance_batch=True",

@@ -3,7 +3,7 @@ runtime, two update mini-steps per step, ``balance_batch`` and dynamic batch siz
 mini-step and rank), two rollout replicas at dp = 2.
 
 Two verl runs (dp = 1 and dp = 2) shared by the assertions. Rollouts are seeded per sample
-(``integration/rollout/seeding.py``, through the plugin's agent-loop manager), so both runs sample the same tokens.
+(``transport/seeding.py``, through the plugin's agent-loop manager), so both runs sample the same tokens.
 R2 records pi_old's routing in ``compute_log_prob`` on whichever rank holds a sample; the routing travels with the
 sample through TransferQueue and verl's re-split into mini-batches, and both mini-steps replay it.
 
@@ -33,9 +33,9 @@ MAX_TOKENS = 40  # ppo_max_token_len_per_gpu (and the log-prob pass's): sequence
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     from verl_stable import recipes
-    from verl_stable.cpu import launch
-    from verl_stable.integration import rollout
-    from verl_stable.lab.assets import AssetSpec, ensure_assets
+    from verl_stable.toy import launch
+    from verl_stable.toy.assets import AssetSpec, ensure_assets
+    from verl_stable.transport.options import MANAGER_FQN
 
     tmp = tmp_path_factory.mktemp("dp_r2")
     assets = ensure_assets(tmp / "assets", AssetSpec(task="copy"))
@@ -48,7 +48,7 @@ def runs(tmp_path_factory):
             'trainer.logger=["file"]',
             f"trainer.n_gpus_per_node={dp}",
             f"ray_kwargs.ray_init.num_gpus={dp}",  # one fake GPU per actor rank and rollout replica
-            f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={rollout.MANAGER_FQN}",  # seeded samples
+            f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={MANAGER_FQN}",  # seeded samples
             "trainer.balance_batch=True",
             "actor_rollout_ref.actor.use_dynamic_bsz=True",
             "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",

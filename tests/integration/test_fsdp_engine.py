@@ -28,9 +28,9 @@ from verl.workers.config import EngineRouterReplayConfig, FSDPEngineConfig
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
+from verl_stable.compat import import_hooks
 from verl_stable.cpu.platform import platform_class
 from verl_stable.integration import fsdp_engine as fe
-from verl_stable.integration import import_hooks
 from verl_stable.integration.fsdp_engine import ReplayAction, RouterReplayError, replay_action
 from verl_stable.routing import RoutingTrace, capture, replay
 
@@ -546,13 +546,13 @@ def test_plugin_registration_is_deferred_until_verl_imports_its_engines():
 # verl's real trainer (main_ppo, V1) on the CPU runtime with the ``hf`` rollout exporting routing. Slow: e2e.
 @pytest.fixture(scope="module")
 def e2e_assets(tmp_path_factory):
-    from verl_stable.lab.assets import AssetSpec, ensure_assets
+    from verl_stable.toy.assets import AssetSpec, ensure_assets
 
     return ensure_assets(tmp_path_factory.mktemp("assets"), AssetSpec(task="copy"))
 
 
 def _e2e_run(assets, workdir, mode: str, *extra: str, routing_capture: bool = True):
-    from verl_stable.cpu import launch
+    from verl_stable.toy import launch
 
     overrides = launch.cpu_overrides(
         assets, steps=2, precision="bf16", routing_capture=routing_capture, metrics_logger=("file",)
@@ -618,7 +618,8 @@ def test_register_steps_aside_when_verl_ships_the_native_replay_module(monkeypat
 _NATIVE_CHECK = """
 import json, os, sys
 import verl  # loads verl-stable's plugin through verl's entry points, as every verl process does
-from verl_stable.integration import fsdp_engine as fe, import_hooks, plugin
+from verl_stable.integration import fsdp_engine as fe, plugin
+from verl_stable.compat import import_hooks
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl_stable.cpu import engines

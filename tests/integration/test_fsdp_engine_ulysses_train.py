@@ -393,6 +393,6 @@ def test_r2_mini_steps_under_ulysses_replay_pi_olds_routing_on_every_rank(runs):
 
 
 def fe_prefix(name: str) -> str:
-    from verl_stable.integration.replay_pass import METRIC_PREFIX
+    from verl_stable.routing.replay_pass import METRIC_PREFIX
 
     return METRIC_PREFIX + name

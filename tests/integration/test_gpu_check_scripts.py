@@ -126,7 +126,7 @@ def test_actor_pids_counts_distinct_actors_of_one_class(cdp):
 
 @pytest.mark.parametrize("regime", ["r3", "r2"])
 def test_gpu_arguments_compose_and_verl_accepts_them_at_dp_8(cdp, regime, tmp_path, monkeypatch):
-    from verl_stable.cpu.assets import asset_paths
+    from verl_stable.toy.assets import asset_paths
 
     monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from verl_stable.integration import import_hooks
-from verl_stable.integration.import_hooks import hooks_restored, pending_hooks, when_imported
+from verl_stable.compat import import_hooks
+from verl_stable.compat.import_hooks import hooks_restored, pending_hooks, when_imported
 
 FAKE = "vs_fake_engines"
 

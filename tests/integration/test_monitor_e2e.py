@@ -6,8 +6,8 @@ Slow (two short runs of a few minutes on two cores): marked ``e2e``.
 
 import pytest
 
-from verl_stable.cpu import launch
-from verl_stable.lab.assets import AssetSpec, ensure_assets
+from verl_stable.toy import launch
+from verl_stable.toy.assets import AssetSpec, ensure_assets
 
 pytestmark = pytest.mark.e2e
 

@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from verl_stable.cpu import launch
-from verl_stable.lab.assets import AssetSpec, ensure_assets
+from verl_stable.toy import launch
+from verl_stable.toy.assets import AssetSpec, ensure_assets
 
 pytestmark = pytest.mark.e2e
 

@@ -26,10 +26,28 @@ from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 from verl_stable.integration import rollout
 from verl_stable.routing.codecs import BoundaryStats, RowCountError
 from verl_stable.routing.trace import RoutingLayout
-from verl_stable.routing.transport import IDS_FIELD, SPAN_FIELD
+from verl_stable.transport.boundary import BOUNDARY_COLUMNS, BOUNDARY_FIELD, TRANSPORT_METRIC_PREFIX, transport_metrics
+from verl_stable.transport.expansion import expand_compact_routing, routing_trace_from_batch
+from verl_stable.transport.fields import IDS_FIELD, SPAN_FIELD
+from verl_stable.transport.options import DEFAULT_SHARE_MIN_BYTES, MANAGER_FQN, RolloutRoutingOptions
+from verl_stable.transport.sharing import (
+    PROMPT_PARTITION,
+    PROMPT_REF_FIELD,
+    PromptRowSharing,
+    SharedPromptRowsError,
+    prompt_rows_key,
+)
+from verl_stable.transport.side_rows import (
+    SharedRowReader,
+    StaleSweep,
+    async_clear_stale_prompt_rows,
+    attach_shared_prompt_rows,
+    clear_stale_prompt_rows,
+    stale_prompt_entries,
+)
 
 LAYOUT = RoutingLayout("qwen3_moe", "qwen3_moe", 5, (1, 2, 4), 2, 8)  # decoder layers 0 and 3 dense
-PREFIX = rollout.TRANSPORT_METRIC_PREFIX
+PREFIX = TRANSPORT_METRIC_PREFIX
 
 
 class KVStore:
@@ -90,7 +108,7 @@ class KVStore:
         self.kv_clear(keys, partition_id)
 
     def side_entries(self) -> dict[str, dict]:
-        return self.kv_list(rollout.PROMPT_PARTITION).get(rollout.PROMPT_PARTITION, {})
+        return self.kv_list(PROMPT_PARTITION).get(PROMPT_PARTITION, {})
 
 
 def vllm_rows(rng: np.random.Generator, rows: int) -> np.ndarray:
@@ -129,12 +147,12 @@ def as_sample(output) -> dict:
 def put_side(store: KVStore, compact) -> None:
     side = compact.shared_prompt
     if side is not None:
-        store.kv_put(side.key, rollout.PROMPT_PARTITION, TensorDict({IDS_FIELD: side.ids[None]}, [1]), side.tag)
+        store.kv_put(side.key, PROMPT_PARTITION, TensorDict({IDS_FIELD: side.ids[None]}, [1]), side.tag)
 
 
 def shared_batch(rng, store, groups, **kwargs):
     """Compact every group's outputs with sharing (side entries into ``store``); verl's reference int16 routing."""
-    sharing = rollout.PromptRowSharing()
+    sharing = PromptRowSharing()
     samples, reference = [], []
     for g, outputs in enumerate(groups):
         for o in outputs:
@@ -155,14 +173,14 @@ def test_group_stores_prompt_rows_once_and_every_sample_replays_its_own_routing(
     # every sample stores only its rows after the prompt; the span still covers the whole sequence
     assert [p.shape[0] for p in batch[IDS_FIELD].unbind()] == [2, 4, 1, 3, 1, 1]
     assert batch[SPAN_FIELD].tolist() == [[0, 8], [0, 10], [0, 7], [0, 9], [0, 10], [0, 10]]
-    assert batch[rollout.PROMPT_REF_FIELD][:, 0].tolist() == [6, 6, 6, 6, 9, 9]
+    assert batch[PROMPT_REF_FIELD][:, 0].tolist() == [6, 6, 6, 6, 9, 9]
 
     # the unshared path (sharing off) is the independent reference for the trace
     unshared = list_of_dict_to_tensordict(
         [as_sample(rollout.compact_agent_loop_output(o, LAYOUT)) for g in copy.deepcopy(groups) for o in g]
     )
-    assert rollout.PROMPT_REF_FIELD not in unshared.keys()
-    expected = rollout.routing_trace_from_batch(unshared, LAYOUT).to_tensor()
+    assert PROMPT_REF_FIELD not in unshared.keys()
+    expected = routing_trace_from_batch(unshared, LAYOUT).to_tensor()
     reads = []
 
     def kv_batch_get(**kw):
@@ -174,15 +192,15 @@ def test_group_stores_prompt_rows_once_and_every_sample_replays_its_own_routing(
     chunks = tu.chunk_tensordict(tu.index_select_tensor_dict(batch, perm), 3)
     got = []
     for chunk in chunks:
-        assert rollout.expand_compact_routing(chunk, LAYOUT, kv_batch_get=kv_batch_get)
+        assert expand_compact_routing(chunk, LAYOUT, kv_batch_get=kv_batch_get)
         got += list(chunk["routed_experts"].unbind())
         # expanded: a second pass has nothing to do and reads nothing (the reads are counted below)
-        assert not rollout.expand_compact_routing(chunk, LAYOUT, kv_batch_get=kv_batch_get)
+        assert not expand_compact_routing(chunk, LAYOUT, kv_batch_get=kv_batch_get)
     assert [len(r["keys"]) for r in reads] == [2, 1, 2]  # one read per micro-batch, each group once
-    assert all(r["partition_id"] == rollout.PROMPT_PARTITION for r in reads)
+    assert all(r["partition_id"] == PROMPT_PARTITION for r in reads)
     for i, j in enumerate(perm):  # token for token verl's own int16 layout
         assert torch.equal(got[i], reference[j]), j
-    trace = rollout.routing_trace_from_batch(batch, LAYOUT, kv_batch_get=store.kv_batch_get)
+    trace = routing_trace_from_batch(batch, LAYOUT, kv_batch_get=store.kv_batch_get)
     assert torch.equal(trace.to_tensor(), expected)
 
 
@@ -197,12 +215,12 @@ def test_a_ranks_reader_reads_once_per_step_and_serves_the_update_mini_batches_f
         reads.append(sorted(kw["keys"]))
         return store.kv_batch_get(**kw)
 
-    reader = rollout.SharedRowReader(kv_batch_get)
-    sizes = {k: f[IDS_FIELD].numel() for k, (f, _) in store.data[rollout.PROMPT_PARTITION].items()}
+    reader = SharedRowReader(kv_batch_get)
+    sizes = {k: f[IDS_FIELD].numel() for k, (f, _) in store.data[PROMPT_PARTITION].items()}
     # this rank's share of the step (groups 0 and 1, group 1 split with another rank): compute_log_prob
     mine = [0, 1, 2, 3, 4]
     old = tu.index_select_tensor_dict(batch, mine)
-    assert rollout.expand_compact_routing(old, LAYOUT, reader=reader)
+    assert expand_compact_routing(old, LAYOUT, reader=reader)
     assert len(reads) == 1 and len(reader) == 2
     assert reader.take_counts() == {
         "side_reads": 1,
@@ -213,7 +231,7 @@ def test_a_ranks_reader_reads_once_per_step_and_serves_the_update_mini_batches_f
     # update_actor: the same samples reshuffled into two mini-batches read nothing and replay the same rows
     for part in ([4, 1], [3, 0, 2]):
         mini = tu.index_select_tensor_dict(batch, part)
-        assert rollout.expand_compact_routing(mini, LAYOUT, reader=reader)
+        assert expand_compact_routing(mini, LAYOUT, reader=reader)
         for got, j in zip(mini["routed_experts"].unbind(), part, strict=True):
             assert torch.equal(got, reference[j]), j
     assert len(reads) == 1
@@ -226,25 +244,25 @@ def test_a_ranks_reader_reads_once_per_step_and_serves_the_update_mini_batches_f
     # the next step's batch (group 2 new, group 1 held): one read of the new entry only; then the reader holds
     # exactly that batch's entries
     nxt = tu.index_select_tensor_dict(batch, [5, 6, 7])
-    assert rollout.expand_compact_routing(nxt, LAYOUT, reader=reader)
+    assert expand_compact_routing(nxt, LAYOUT, reader=reader)
     assert len(reads) == 2 and len(reads[1]) == 1 and len(reader) == 2
     assert reader.take_counts()["side_read_reused"] == 1
     for got, j in zip(nxt["routed_experts"].unbind(), [5, 6, 7], strict=True):
         assert torch.equal(got, reference[j]), j
     # an entry cleared from TransferQueue is an error, held or not held by another reader
     (gone,) = reads[1]
-    store.kv_clear([gone], rollout.PROMPT_PARTITION)
-    with pytest.raises(rollout.SharedPromptRowsError, match="not in TransferQueue"):
-        rollout.expand_compact_routing(
-            tu.index_select_tensor_dict(batch, [6]), LAYOUT, reader=rollout.SharedRowReader(store.kv_batch_get)
+    store.kv_clear([gone], PROMPT_PARTITION)
+    with pytest.raises(SharedPromptRowsError, match="not in TransferQueue"):
+        expand_compact_routing(
+            tu.index_select_tensor_dict(batch, [6]), LAYOUT, reader=SharedRowReader(store.kv_batch_get)
         )
 
     # TransferQueue leaves a missing key out of its answer when others are found: never pair rows with wrong keys
     def drops_missing(keys, partition_id, select_fields=None):
         return store.kv_batch_get([k for k in keys if k != gone], partition_id, select_fields)
 
-    with pytest.raises(rollout.SharedPromptRowsError, match=r"1 of 3 shared prompt-row entries are not in"):
-        rollout.expand_compact_routing(batch.clone(), LAYOUT, reader=rollout.SharedRowReader(drops_missing))
+    with pytest.raises(SharedPromptRowsError, match=r"1 of 3 shared prompt-row entries are not in"):
+        expand_compact_routing(batch.clone(), LAYOUT, reader=SharedRowReader(drops_missing))
 
 
 def test_bytes_count_the_shared_rows_once():
@@ -253,16 +271,16 @@ def test_bytes_count_the_shared_rows_once():
     groups = [group_outputs(rng, 40, [3, 5, 2, 4])]
     batch, _, _ = shared_batch(rng, store, copy.deepcopy(groups))
     unshared = list_of_dict_to_tensordict([as_sample(rollout.compact_agent_loop_output(o, LAYOUT)) for o in groups[0]])
-    shared_m = rollout.transport_metrics(batch[rollout.BOUNDARY_FIELD])
-    plain_m = rollout.transport_metrics(unshared[rollout.BOUNDARY_FIELD])
+    shared_m = transport_metrics(batch[BOUNDARY_FIELD])
+    plain_m = transport_metrics(unshared[BOUNDARY_FIELD])
     row = LAYOUT.num_moe_layers * LAYOUT.top_k  # uint8
     # independent count: every tensor put, the side entry's ids once
-    side_bytes = sum(f[IDS_FIELD].numel() for f, _ in store.data[rollout.PROMPT_PARTITION].values())
+    side_bytes = sum(f[IDS_FIELD].numel() for f, _ in store.data[PROMPT_PARTITION].values())
     put = sum(t.numel() * t.element_size() for d in batch.unbind(0) for k, t in d.items() if k.startswith("stable_"))
     assert (
         shared_m[f"{PREFIX}bytes"]
         == put + side_bytes
-        == side_bytes + sum(d[IDS_FIELD].numel() + 16 + 24 + 8 * len(rollout.BOUNDARY_COLUMNS) for d in batch.unbind(0))
+        == side_bytes + sum(d[IDS_FIELD].numel() + 16 + 24 + 8 * len(BOUNDARY_COLUMNS) for d in batch.unbind(0))
     )
     assert plain_m[f"{PREFIX}bytes"] - shared_m[f"{PREFIX}bytes"] == 3 * 40 * row - 4 * 24
     assert shared_m[f"{PREFIX}verl_bytes"] == plain_m[f"{PREFIX}verl_bytes"]
@@ -281,17 +299,17 @@ def test_a_sibling_with_different_prompt_rows_keeps_its_own_and_is_counted():
     reference_rows = groups[0][1].routed_experts[:, list(LAYOUT.moe_layers)]
     batch, reference, _ = shared_batch(rng, store, groups)
     assert len(store.side_entries()) == 1
-    refs = batch[rollout.PROMPT_REF_FIELD]
+    refs = batch[PROMPT_REF_FIELD]
     assert refs[:, 0].tolist() == [5, 0, 5] and not refs[1].any()
     np.testing.assert_array_equal(batch[IDS_FIELD][1].numpy(), reference_rows)  # all of its rows, its own
-    m = rollout.transport_metrics(batch[rollout.BOUNDARY_FIELD])
+    m = transport_metrics(batch[BOUNDARY_FIELD])
     assert m[f"{PREFIX}prompt_rows_differ"] == 1.0 and m[f"{PREFIX}shared_prompt_rows"] == 10.0
-    assert rollout.expand_compact_routing(batch, LAYOUT, kv_batch_get=store.kv_batch_get)
+    assert expand_compact_routing(batch, LAYOUT, kv_batch_get=store.kv_batch_get)
     for got, ref in zip(batch["routed_experts"].unbind(), reference, strict=True):
         assert torch.equal(got, ref)
     # the key depends on the rows: a differing sibling can never resolve to the stored copy
     prompt = torch.from_numpy(reference_rows[:5].copy())
-    assert rollout.prompt_rows_key("uid0", "train", 0, prompt) not in store.side_entries()
+    assert prompt_rows_key("uid0", "train", 0, prompt) not in store.side_entries()
 
 
 def test_missing_or_mismatched_side_entry_is_a_clear_error():
@@ -299,23 +317,23 @@ def test_missing_or_mismatched_side_entry_is_a_clear_error():
     store = KVStore()
     batch, _, _ = shared_batch(rng, store, [group_outputs(rng, 4, [2, 3])])
     (key,) = store.side_entries()
-    fields, tag = store.data[rollout.PROMPT_PARTITION][key]
-    store.kv_clear([key], rollout.PROMPT_PARTITION)
-    with pytest.raises(rollout.SharedPromptRowsError, match="not in TransferQueue partition 'stable_routing_prompts'"):
-        rollout.expand_compact_routing(batch.clone(), LAYOUT, kv_batch_get=store.kv_batch_get)
-    assert issubclass(rollout.SharedPromptRowsError, RowCountError)
-    store.kv_put(key, rollout.PROMPT_PARTITION, TensorDict({IDS_FIELD: fields[IDS_FIELD][None, :3]}, [1]), tag)
-    with pytest.raises(rollout.SharedPromptRowsError, match="sample 0: shared entry .* expects 4 rows"):
-        rollout.routing_trace_from_batch(batch.clone(), LAYOUT, kv_batch_get=store.kv_batch_get)
+    fields, tag = store.data[PROMPT_PARTITION][key]
+    store.kv_clear([key], PROMPT_PARTITION)
+    with pytest.raises(SharedPromptRowsError, match="not in TransferQueue partition 'stable_routing_prompts'"):
+        expand_compact_routing(batch.clone(), LAYOUT, kv_batch_get=store.kv_batch_get)
+    assert issubclass(SharedPromptRowsError, RowCountError)
+    store.kv_put(key, PROMPT_PARTITION, TensorDict({IDS_FIELD: fields[IDS_FIELD][None, :3]}, [1]), tag)
+    with pytest.raises(SharedPromptRowsError, match="sample 0: shared entry .* expects 4 rows"):
+        routing_trace_from_batch(batch.clone(), LAYOUT, kv_batch_get=store.kv_batch_get)
     # without the side entry the sample's own fields do not describe its span: never silently used
-    from verl_stable.routing.transport import rows_from_fields
+    from verl_stable.transport.fields import rows_from_fields
 
     with pytest.raises(RowCountError, match=r"span \[0, 5\) but \(1, 3, 2\)"):
         rows_from_fields(batch[IDS_FIELD], batch[SPAN_FIELD])
     bad = batch.clone()
-    bad[rollout.PROMPT_REF_FIELD] = torch.ones(2, 2, dtype=torch.int64)
-    with pytest.raises(rollout.SharedPromptRowsError, match=r"must be \[B, 3\]"):
-        rollout.attach_shared_prompt_rows(bad, store.kv_batch_get)
+    bad[PROMPT_REF_FIELD] = torch.ones(2, 2, dtype=torch.int64)
+    with pytest.raises(SharedPromptRowsError, match=r"must be \[B, 3\]"):
+        attach_shared_prompt_rows(bad, store.kv_batch_get)
 
 
 def _verl_keys(store: KVStore, partition: str, uid: str, n: int, status: str) -> None:
@@ -328,7 +346,7 @@ def _shared_groups(store: KVStore, rng, uids: tuple[str, ...]) -> None:
     """Two-sample groups ``uids`` as verl and the workers leave them: finished prompt keys, sample keys, side entries."""
     for uid in uids:
         _verl_keys(store, "train", uid, 2, "finished")
-        sharing = rollout.PromptRowSharing()
+        sharing = PromptRowSharing()
         for o in group_outputs(rng, 3, [2, 2]):
             put_side(store, rollout.compact_agent_loop_output(o, LAYOUT, sharing=sharing, uid=uid))
 
@@ -340,51 +358,51 @@ def test_side_entries_are_cleared_with_their_group_and_do_not_accumulate():
         uids = [f"s{step}g{g}" for g in range(3)]
         for uid in uids:
             _verl_keys(store, "train", uid, 2, "finished")
-            sharing = rollout.PromptRowSharing()
+            sharing = PromptRowSharing()
             for o in group_outputs(rng, 4, [2, 3]):
                 put_side(store, rollout.compact_agent_loop_output(o, LAYOUT, sharing=sharing, uid=uid))
         assert len(store.side_entries()) == 3  # the previous step's were cleared
         in_flight = f"s{step}next"  # an async rollout already running for the next step
         _verl_keys(store, "train", in_flight, 0, "running")
-        sharing = rollout.PromptRowSharing()
+        sharing = PromptRowSharing()
         put_side(
             store,
             rollout.compact_agent_loop_output(group_outputs(rng, 4, [2])[0], LAYOUT, sharing=sharing, uid=in_flight),
         )
         store.kv_clear(uids, "train")  # ReplayBuffer._materialize_batch: the prompt keys
-        assert rollout.clear_stale_prompt_rows(store.kv_list, store.kv_clear) == 0  # samples still being trained
+        assert clear_stale_prompt_rows(store.kv_list, store.kv_clear) == 0  # samples still being trained
         store.kv_clear([f"{u}_{i}_0" for u in uids for i in range(2)], "train")  # verl's step-end kv_clear
-        assert rollout.clear_stale_prompt_rows(store.kv_list, store.kv_clear) == 3
+        assert clear_stale_prompt_rows(store.kv_list, store.kv_clear) == 3
         assert [t["uid"] for t in store.side_entries().values()] == [in_flight]
         store.kv_clear([in_flight], "train")  # evicted (DAPO / failure): verl's _clear_groups
-        assert rollout.clear_stale_prompt_rows(store.kv_list, store.kv_clear) == 1
+        assert clear_stale_prompt_rows(store.kv_list, store.kv_clear) == 1
         assert store.side_entries() == {}
     # a validation group lives in "val": a train key of the same uid does not keep it
     _verl_keys(store, "train", "v0", 1, "finished")
     put_side(
         store,
         rollout.compact_agent_loop_output(
-            group_outputs(rng, 4, [2])[0], LAYOUT, sharing=rollout.PromptRowSharing(), uid="v0", partition="val"
+            group_outputs(rng, 4, [2])[0], LAYOUT, sharing=PromptRowSharing(), uid="v0", partition="val"
         ),
     )
-    assert rollout.clear_stale_prompt_rows(store.kv_list, store.kv_clear) == 1
-    assert rollout.clear_stale_prompt_rows(KVStore().kv_list, KVStore().kv_clear) == 0  # nothing ever shared
+    assert clear_stale_prompt_rows(store.kv_list, store.kv_clear) == 1
+    assert clear_stale_prompt_rows(KVStore().kv_list, KVStore().kv_clear) == 0  # nothing ever shared
 
 
 def test_a_sweep_clears_an_entry_only_when_two_consecutive_passes_found_it_stale():
     rng = np.random.default_rng(9)
     store = KVStore()
     _shared_groups(store, rng, ("a", "b"))
-    sweep = rollout.StaleSweep()
+    sweep = StaleSweep()
     store.kv_clear(["a", "a_0_0", "a_1_0", "b", "b_0_0", "b_1_0"], "train")  # both groups look keyless ...
-    assert rollout.clear_stale_prompt_rows(store.kv_list, store.kv_clear, sweep) == 0  # ... first pass: kept
+    assert clear_stale_prompt_rows(store.kv_list, store.kv_clear, sweep) == 0  # ... first pass: kept
     assert len(store.side_entries()) == 2
     _verl_keys(store, "train", "b", 1, "finished")  # b was keyless only for a moment (its keys are back)
-    assert rollout.clear_stale_prompt_rows(store.kv_list, store.kv_clear, sweep) == 1  # a: stale twice, cleared
+    assert clear_stale_prompt_rows(store.kv_list, store.kv_clear, sweep) == 1  # a: stale twice, cleared
     assert [t["uid"] for t in store.side_entries().values()] == ["b"]
     store.kv_clear(["b", "b_0_0"], "train")
-    assert rollout.clear_stale_prompt_rows(store.kv_list, store.kv_clear, sweep) == 0  # b's first stale pass
-    assert asyncio.run(rollout.async_clear_stale_prompt_rows(store.async_kv_list, store.async_kv_clear, sweep)) == 1
+    assert clear_stale_prompt_rows(store.kv_list, store.kv_clear, sweep) == 0  # b's first stale pass
+    assert asyncio.run(async_clear_stale_prompt_rows(store.async_kv_list, store.async_kv_clear, sweep)) == 1
     assert store.side_entries() == {}
 
 
@@ -400,10 +418,10 @@ def test_a_sweep_is_one_listing_of_every_partition():
         calls.append(partition_id)
         return await store.async_kv_list(partition_id)
 
-    assert asyncio.run(rollout.async_clear_stale_prompt_rows(async_kv_list, store.async_kv_clear)) == 1
+    assert asyncio.run(async_clear_stale_prompt_rows(async_kv_list, store.async_kv_clear)) == 1
     assert calls == [None] and [t["uid"] for t in store.side_entries().values()] == ["b"]
     sync_calls = []
-    assert rollout.clear_stale_prompt_rows(lambda p=None: sync_calls.append(p) or store.kv_list(p), store.kv_clear) == 0
+    assert clear_stale_prompt_rows(lambda p=None: sync_calls.append(p) or store.kv_list(p), store.kv_clear) == 0
     assert sync_calls == [None]
 
 
@@ -413,9 +431,9 @@ def test_agent_loop_workers_clear_with_the_async_api_too():
     store = KVStore()
     _shared_groups(store, rng, ("a", "b"))
     store.kv_clear(["a", "a_0_0", "a_1_0"], "train")
-    assert asyncio.run(rollout.async_clear_stale_prompt_rows(store.async_kv_list, store.async_kv_clear)) == 1
+    assert asyncio.run(async_clear_stale_prompt_rows(store.async_kv_list, store.async_kv_clear)) == 1
     assert [t["uid"] for t in store.side_entries().values()] == ["b"]
-    assert rollout.stale_prompt_entries({"k": None}, {"train": ["b"]}) == ["k"]  # an entry without a tag goes too
+    assert stale_prompt_entries({"k": None}, {"train": ["b"]}) == ["k"]  # an entry without a tag goes too
 
 
 def test_verl_replay_buffer_never_samples_the_side_partition(monkeypatch):
@@ -427,7 +445,7 @@ def test_verl_replay_buffer_never_samples_the_side_partition(monkeypatch):
     rng = np.random.default_rng(5)
     store = KVStore()
     _verl_keys(store, "train", "u0", 2, "finished")
-    sharing = rollout.PromptRowSharing()
+    sharing = PromptRowSharing()
     for o in group_outputs(rng, 4, [2, 3]):
         put_side(store, rollout.compact_agent_loop_output(o, LAYOUT, sharing=sharing, uid="u0"))
     assert len(store.side_entries()) == 1
@@ -440,37 +458,35 @@ def test_verl_replay_buffer_never_samples_the_side_partition(monkeypatch):
     monkeypatch.setattr(tq, "kv_clear", store.kv_clear)
     buffer._sync_metadata_from_transfer_queue()
     assert buffer.finished_keys["train"] == {"u0"}
-    assert not any(buffer.finished_keys[p] or buffer.running_keys[p] for p in [rollout.PROMPT_PARTITION])
+    assert not any(buffer.finished_keys[p] or buffer.running_keys[p] for p in [PROMPT_PARTITION])
     meta = buffer._materialize_batch("train", ["u0"], dict(buffer.partitions["train"]))
     assert meta.partition_id == "train" and sorted(meta.keys) == ["u0_0_0", "u0_1_0"]
     assert len(store.side_entries()) == 1  # still there for the actors
 
 
 def test_switch_off_keeps_every_row_with_its_sample():
-    options = rollout.RolloutRoutingOptions.from_config(
+    options = RolloutRoutingOptions.from_config(
         OmegaConf.create({"verl_stable": {"routing": {"share_prompt_rows": False}}})
     )
-    assert not options.share_prompt_rows and rollout.RolloutRoutingOptions().share_prompt_rows
-    assert rollout.RolloutRoutingOptions.from_config(OmegaConf.create({})).share_prompt_rows
+    assert not options.share_prompt_rows and RolloutRoutingOptions().share_prompt_rows
+    assert RolloutRoutingOptions.from_config(OmegaConf.create({})).share_prompt_rows
     with pytest.raises(ValueError, match=r"verl_stable\.routing\.share_prompt_rows must be a bool \(true/false\)"):
-        rollout.RolloutRoutingOptions.from_config(
-            OmegaConf.create({"verl_stable": {"routing": {"share_prompt_rows": "no"}}})
-        )
-    assert rollout.RolloutRoutingOptions().share_prompt_rows_min_bytes == rollout.DEFAULT_SHARE_MIN_BYTES == 1 << 21
+        RolloutRoutingOptions.from_config(OmegaConf.create({"verl_stable": {"routing": {"share_prompt_rows": "no"}}}))
+    assert RolloutRoutingOptions().share_prompt_rows_min_bytes == DEFAULT_SHARE_MIN_BYTES == 1 << 21
     section = {"verl_stable": {"routing": {"share_prompt_rows_min_bytes": 0}}}
-    assert rollout.RolloutRoutingOptions.from_config(OmegaConf.create(section)).share_prompt_rows_min_bytes == 0
+    assert RolloutRoutingOptions.from_config(OmegaConf.create(section)).share_prompt_rows_min_bytes == 0
     for bad in (-1, True, 0.5, "1MB"):
         with pytest.raises(
             ValueError, match=r"verl_stable\.routing\.share_prompt_rows_min_bytes must be (>= 0|an int), got"
         ):
-            rollout.RolloutRoutingOptions.from_config(
+            RolloutRoutingOptions.from_config(
                 OmegaConf.create({"verl_stable": {"routing": {"share_prompt_rows_min_bytes": bad}}})
             )
     worker, store = _worker(n=3, options=options)
     asyncio.run(worker._run_prompt(_prompt("u0"), {}, {"validate": False}))
     assert store.side_entries() == {} and set(store.data) == {"train"}
     samples = store.kv_batch_get(["u0_0_0", "u0_1_0", "u0_2_0"], "train", [IDS_FIELD, SPAN_FIELD])
-    assert rollout.PROMPT_REF_FIELD not in store.data["train"]["u0_0_0"][0]
+    assert PROMPT_REF_FIELD not in store.data["train"]["u0_0_0"][0]
     spans = [s.tolist() for s in samples[SPAN_FIELD].unbind()]
     assert [p.shape[0] for p in samples[IDS_FIELD].unbind()] == [b - a for a, b in spans]
 
@@ -480,7 +496,7 @@ def _prompt(uid: str) -> dict:
     return {"uid": uid, "global_steps": 1, "index": 0}
 
 
-def _worker(n: int, options: rollout.RolloutRoutingOptions | None = None, differ: set[int] = frozenset()):
+def _worker(n: int, options: RolloutRoutingOptions | None = None, differ: set[int] = frozenset()):
     """verl's AgentLoopWorkerTQ (our subclass) without Ray; the LLM call is the only stand-in."""
     store = KVStore()
     worker_cls = rollout.CompactRoutingAgentLoopWorkerTQ
@@ -490,9 +506,9 @@ def _worker(n: int, options: rollout.RolloutRoutingOptions | None = None, differ
     worker.stable_routing_enabled = True
     worker.stable_routing_layout = LAYOUT
     # these groups' prompt rows are a few hundred bytes: share them whatever they save unless a test says otherwise
-    worker.stable_routing_options = options or rollout.RolloutRoutingOptions(share_prompt_rows_min_bytes=0)
+    worker.stable_routing_options = options or RolloutRoutingOptions(share_prompt_rows_min_bytes=0)
     worker.stable_routing_stats = BoundaryStats()
-    worker.stable_prompt_sharing = rollout.PromptRowSharing(worker.stable_routing_options.share_prompt_rows_min_bytes)
+    worker.stable_prompt_sharing = PromptRowSharing(worker.stable_routing_options.share_prompt_rows_min_bytes)
     worker.stable_prompt_puts, worker.stable_group_sizes, worker.stable_put_side_entries = {}, {}, False
     rng = np.random.default_rng(7)
     outputs = group_outputs(rng, 6, [4, 2, 5, 3, 2, 3, 4, 2][:n], differ=differ)
@@ -533,15 +549,15 @@ def test_real_worker_puts_one_side_entry_per_group_before_its_samples():
     side = store.side_entries()
     assert len(side) == 1 and next(iter(side.values())) == {"uid": "u0", "partition": "train", "rows": 6}
     first_sample = next(i for i, (p, k) in enumerate(order) if p == "train" and k != "u0")
-    assert order.index((rollout.PROMPT_PARTITION, next(iter(side)))) < first_sample
+    assert order.index((PROMPT_PARTITION, next(iter(side)))) < first_sample
     assert store.data["train"]["u0"][1]["status"] == "finished"
     assert len(worker.stable_prompt_sharing) == 0 and worker.stable_prompt_puts == worker.stable_group_sizes == {}
     keys = [f"u0_{i}_0" for i in range(4)]
     batch = store.kv_batch_get(keys, "train")
-    assert [int(r[0]) for r in batch[rollout.PROMPT_REF_FIELD].unbind()] == [6, 6, 0, 6]
-    m = rollout.transport_metrics(batch[rollout.BOUNDARY_FIELD])
+    assert [int(r[0]) for r in batch[PROMPT_REF_FIELD].unbind()] == [6, 6, 0, 6]
+    m = transport_metrics(batch[BOUNDARY_FIELD])
     assert m[f"{PREFIX}prompt_groups_shared"] == 1.0 and m[f"{PREFIX}prompt_rows_differ"] == 1.0
-    assert rollout.expand_compact_routing(batch, LAYOUT, kv_batch_get=store.kv_batch_get)
+    assert expand_compact_routing(batch, LAYOUT, kv_batch_get=store.kv_batch_get)
     for got, ref in zip(batch["routed_experts"].unbind(), worker.reference, strict=True):
         assert torch.equal(got, ref)
 
@@ -552,31 +568,31 @@ def test_a_group_shares_its_prompt_rows_only_when_that_saves_the_minimum_bytes()
     n, prompt_rows = 4, 6  # group_outputs' prompts: 6 routed rows
     saved = (n - 1) * prompt_rows * LAYOUT.num_moe_layers * LAYOUT.top_k  # uint8 ids
     for minimum, shared in ((saved, True), (saved + 1, False)):
-        worker, store = _worker(n=n, options=rollout.RolloutRoutingOptions(share_prompt_rows_min_bytes=minimum))
+        worker, store = _worker(n=n, options=RolloutRoutingOptions(share_prompt_rows_min_bytes=minimum))
         asyncio.run(worker._run_prompt(_prompt("u0"), {}, {"validate": False}))
         keys = [f"u0_{i}_0" for i in range(n)]
         batch = store.kv_batch_get(keys, "train")
-        refs = [int(r[0]) for r in batch[rollout.PROMPT_REF_FIELD].unbind()]
+        refs = [int(r[0]) for r in batch[PROMPT_REF_FIELD].unbind()]
         assert refs == ([prompt_rows] * n if shared else [0] * n), (minimum, refs)
         assert len(store.side_entries()) == int(shared) and worker.stable_put_side_entries == shared
-        m = rollout.transport_metrics(batch[rollout.BOUNDARY_FIELD])
+        m = transport_metrics(batch[BOUNDARY_FIELD])
         assert m[f"{PREFIX}prompt_groups_shared"] == float(shared)
         assert m[f"{PREFIX}prompt_rows_deduplicated"] == (saved // (LAYOUT.num_moe_layers * LAYOUT.top_k)) * shared
-        assert rollout.expand_compact_routing(batch, LAYOUT, kv_batch_get=store.kv_batch_get if shared else None)
+        assert expand_compact_routing(batch, LAYOUT, kv_batch_get=store.kv_batch_get if shared else None)
         for got, ref in zip(batch["routed_experts"].unbind(), worker.reference, strict=True):
             assert torch.equal(got, ref)
 
 
 def test_sharing_with_a_minimum_needs_the_group_size():
     ids = torch.zeros(8, LAYOUT.num_moe_layers, LAYOUT.top_k, dtype=torch.uint8)
-    sharing = rollout.PromptRowSharing(min_saved_bytes=1)
+    sharing = PromptRowSharing(min_saved_bytes=1)
     with pytest.raises(ValueError, match="needs the group's size, got None"):
         sharing.decide(ids, start=0, prompt_len=4, uid="u", partition="train")
     assert sharing.saved_bytes(ids, 4, 3) == 2 * 4 * LAYOUT.num_moe_layers * LAYOUT.top_k
-    assert rollout.PromptRowSharing().decide(ids, start=0, prompt_len=4, uid="u", partition="train").shared_rows == 4
+    assert PromptRowSharing().decide(ids, start=0, prompt_len=4, uid="u", partition="train").shared_rows == 4
     for bad in (-1, True, 1.5, "1"):
         with pytest.raises(ValueError, match="min_saved_bytes must be an int >= 0"):
-            rollout.PromptRowSharing(bad)
+            PromptRowSharing(bad)
 
 
 def test_real_worker_shares_nothing_for_a_group_of_one():
@@ -584,8 +600,8 @@ def test_real_worker_shares_nothing_for_a_group_of_one():
     asyncio.run(worker._run_prompt(_prompt("u1"), {}, {"validate": False}))
     assert store.side_entries() == {}
     batch = store.kv_batch_get(["u1_0_0"], "train")
-    assert not batch[rollout.PROMPT_REF_FIELD].values().any()  # the field is there (one schema per partition), zero
-    assert rollout.expand_compact_routing(batch, LAYOUT, kv_batch_get=None)  # no read needed
+    assert not batch[PROMPT_REF_FIELD].values().any()  # the field is there (one schema per partition), zero
+    assert expand_compact_routing(batch, LAYOUT, kv_batch_get=None)  # no read needed
     assert torch.equal(batch["routed_experts"][0], worker.reference[0])
 
 
@@ -596,7 +612,7 @@ def test_real_worker_sweeps_stale_entries_alongside_the_rollout_not_before_it(mo
 
     worker, _ = _worker(n=2)
     verls_worker = type(worker).__mro__[1]  # verl's AgentLoopWorkerTQ, as the worker's class resolved it
-    worker.stable_stale_sweep, worker.stable_clearing = rollout.StaleSweep(), None
+    worker.stable_stale_sweep, worker.stable_clearing = StaleSweep(), None
     worker.stable_put_side_entries = True  # as after this worker's first side entry
     events: list[str] = []
     release = asyncio.Event()
@@ -655,8 +671,8 @@ def test_a_worker_sweeps_only_once_it_has_put_a_side_entry(monkeypatch):
     async def rollout_of(self, batch):
         await self._run_prompt(_prompt(batch), {}, {"validate": False})
 
-    worker, store = _worker(n=3, options=rollout.RolloutRoutingOptions())  # default minimum: 2 MiB
-    worker.stable_stale_sweep, worker.stable_clearing = rollout.StaleSweep(), None
+    worker, store = _worker(n=3, options=RolloutRoutingOptions())  # default minimum: 2 MiB
+    worker.stable_stale_sweep, worker.stable_clearing = StaleSweep(), None
     monkeypatch.setattr(agent_loop, "async_clear_stale_prompt_rows", sweep)
     monkeypatch.setattr(type(worker).__mro__[1], "generate_sequences", rollout_of)
 
@@ -668,7 +684,7 @@ def test_a_worker_sweeps_only_once_it_has_put_a_side_entry(monkeypatch):
     asyncio.run(dispatch("u0"))
     asyncio.run(dispatch("u1"))
     assert sweeps == [] and store.side_entries() == {} and not worker.stable_put_side_entries
-    worker.stable_prompt_sharing = rollout.PromptRowSharing(0)  # the next groups are worth sharing
+    worker.stable_prompt_sharing = PromptRowSharing(0)  # the next groups are worth sharing
     asyncio.run(dispatch("u2"))
     assert sweeps == [] and len(store.side_entries()) == 1 and worker.stable_put_side_entries
     asyncio.run(dispatch("u3"))
@@ -692,7 +708,7 @@ def test_stable_trainers_leave_the_sweep_to_the_workers_and_clear_what_is_left_a
             overrides=[
                 "trainer.v1.trainer_mode=stable_sync",
                 f"trainer.default_local_dir={tmp_path}",
-                f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={rollout.MANAGER_FQN}",
+                f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={MANAGER_FQN}",
             ],
         )
     trainer = get_trainer_cls("stable_sync")(cfg)

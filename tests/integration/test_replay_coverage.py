@@ -23,9 +23,9 @@ from verl.workers.config import EngineRouterReplayConfig, FSDPEngineConfig
 
 from verl_stable.cpu.platform import platform_class
 from verl_stable.integration import fsdp_engine as fe
-from verl_stable.integration.replay_pass import RouterReplayError, coverage_counts, token_roles
-from verl_stable.integration.step_monitor import StableConfig, StepMonitor, coverage_totals
 from verl_stable.monitor.routing_metrics import COVERAGE, COVERAGE_COUNTS, replay_coverage_metrics
+from verl_stable.monitor.step import StableConfig, StepMonitor, coverage_totals
+from verl_stable.routing.replay_pass import RouterReplayError, coverage_counts, token_roles
 
 NUM_LAYERS, MOE_LAYERS, EXPERTS, TOPK = 3, (0, 2), 8, 2
 M = len(MOE_LAYERS)

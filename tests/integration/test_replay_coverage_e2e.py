@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from verl_stable.integration import rollout
 from verl_stable.monitor.routing_metrics import COVERAGE
+from verl_stable.transport.boundary import TRANSPORT_METRIC_PREFIX
+from verl_stable.transport.options import MANAGER_FQN
 
 CORRUPT_EVERY = 3
 SAMPLES_PER_STEP = 16  # 4 prompts x rollout.n = 4
@@ -24,9 +25,9 @@ RESPONSE_LEN = 4
 def run(tmp_path_factory):
     from transformers import AutoConfig
 
-    from verl_stable.cpu import launch
-    from verl_stable.lab.assets import AssetSpec, ensure_assets
     from verl_stable.routing.families import layout_from_config
+    from verl_stable.toy import launch
+    from verl_stable.toy.assets import AssetSpec, ensure_assets
 
     tmp = tmp_path_factory.mktemp("coverage_e2e")
     assets = ensure_assets(tmp / "assets", AssetSpec(task="copy"))
@@ -44,7 +45,7 @@ def run(tmp_path_factory):
         "actor_rollout_ref.actor.ppo_mini_batch_size=2",  # two update mini-steps per step
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",  # two micro-batches per mini-step
         "actor_rollout_ref.rollout.ignore_eos=True",  # every response RESPONSE_LEN tokens
-        f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={rollout.MANAGER_FQN}",
+        f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={MANAGER_FQN}",
         "+verl_stable.routing.share_prompt_rows_min_bytes=0",  # share every group: the path under test
         f"+actor_rollout_ref.rollout.engine_kwargs.hf.corrupt_routing_every={CORRUPT_EVERY}",  # fault injection
         "+verl_stable.routing.on_invalid=skip_sample",
@@ -62,18 +63,18 @@ def test_the_dropped_routing_is_counted_at_the_boundary(run):
     rows, _, _ = run
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
-        assert row[f"{rollout.TRANSPORT_METRIC_PREFIX}samples"] == SAMPLES_PER_STEP
+        assert row[f"{TRANSPORT_METRIC_PREFIX}samples"] == SAMPLES_PER_STEP
         # every 3rd request of the server's count (3, 6, ..., 15 in step 1; 18, ..., 30 in step 2): 5 of 16
-        skipped = row[f"{rollout.TRANSPORT_METRIC_PREFIX}skipped_samples"]
+        skipped = row[f"{TRANSPORT_METRIC_PREFIX}skipped_samples"]
         assert SAMPLES_PER_STEP // CORRUPT_EVERY <= skipped <= SAMPLES_PER_STEP // CORRUPT_EVERY + 1
-        assert row[f"{rollout.TRANSPORT_METRIC_PREFIX}error/ExpertIdRangeError"] == skipped
+        assert row[f"{TRANSPORT_METRIC_PREFIX}error/ExpertIdRangeError"] == skipped
 
 
 @pytest.mark.e2e
 def test_response_coverage_is_the_share_of_samples_whose_routing_arrived(run):
     rows, _, moe_layers = run
     for row in rows:
-        skipped = row[f"{rollout.TRANSPORT_METRIC_PREFIX}skipped_samples"]
+        skipped = row[f"{TRANSPORT_METRIC_PREFIX}skipped_samples"]
         expected = 1.0 - skipped / SAMPLES_PER_STEP  # 11 / 16 with 5 skipped
         assert row[f"{COVERAGE}/response_replayed"] == pytest.approx(expected, abs=1e-9)
         assert row[f"{COVERAGE}/response_fallback"] == pytest.approx(1.0 - expected, abs=1e-9)

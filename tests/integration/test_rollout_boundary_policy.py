@@ -17,13 +17,21 @@ from tensordict import TensorDict
 from verl_stable.integration import rollout
 from verl_stable.routing.codecs import BoundaryStats, RowCountError, ZeroRoutingError
 from verl_stable.routing.trace import RoutingLayout
-from verl_stable.routing.transport import IDS_FIELD, SPAN_FIELD, sample_fields
+from verl_stable.transport.boundary import (
+    BOUNDARY_FIELD,
+    TRANSPORT_METRIC_PREFIX,
+    compact_token_routing,
+    transport_metrics,
+)
+from verl_stable.transport.expansion import expand_compact_routing
+from verl_stable.transport.fields import IDS_FIELD, SPAN_FIELD, sample_fields
+from verl_stable.transport.options import RolloutRoutingOptions
 
 LAYOUT = RoutingLayout("qwen3_moe", "qwen3_moe", 5, (1, 2, 4), 2, 8)  # top-2, decoder layers 0 and 3 dense
 TOP1 = RoutingLayout("qwen3_moe", "qwen3_moe", 4, (1, 3), 1, 8)  # top-1 (switch-style), 2 MoE layers
 TOP1_ONE_LAYER = RoutingLayout("qwen3_moe", "qwen3_moe", 2, (1,), 1, 8)
-RAISE = rollout.RolloutRoutingOptions(on_invalid="raise")
-SKIP = rollout.RolloutRoutingOptions(on_invalid="skip_sample")
+RAISE = RolloutRoutingOptions(on_invalid="raise")
+SKIP = RolloutRoutingOptions(on_invalid="skip_sample")
 
 
 def vllm_routing(layout: RoutingLayout, rows: int, seed: int = 0, dtype=np.int32) -> np.ndarray:
@@ -36,7 +44,7 @@ def vllm_routing(layout: RoutingLayout, rows: int, seed: int = 0, dtype=np.int32
 
 def boundary(payload, *, layout=LAYOUT, prompt_len, mask, options, response_length=None):
     stats = BoundaryStats()
-    rows = rollout.compact_token_routing(
+    rows = compact_token_routing(
         payload,
         prompt_len=prompt_len,
         response_mask=mask,
@@ -86,8 +94,8 @@ def test_no_generated_token_is_counted_in_the_transport_counters():
     compact = rollout.compact_agent_loop_output(output, LAYOUT, SKIP, stats)
     fields = compact.as_dict()
     assert fields[SPAN_FIELD].tolist() == [0, 0] and compact.extra_fields["stable_routing_skipped"] == 1
-    metrics = rollout.transport_metrics(fields[rollout.BOUNDARY_FIELD].unsqueeze(0))
-    prefix = rollout.TRANSPORT_METRIC_PREFIX
+    metrics = transport_metrics(fields[BOUNDARY_FIELD].unsqueeze(0))
+    prefix = TRANSPORT_METRIC_PREFIX
     assert metrics[f"{prefix}skipped_samples"] == 1 and metrics[f"{prefix}error/RowCountError"] == 1
     assert stats.as_metrics()["stable/routing/error/RowCountError"] == 1
 
@@ -179,6 +187,6 @@ def test_actor_expands_a_batch_of_short_top1_samples_the_boundary_accepted():
         },
         batch_size=[4],
     )
-    assert rollout.expand_compact_routing(batch, TOP1_ONE_LAYER)
+    assert expand_compact_routing(batch, TOP1_ONE_LAYER)
     expanded = batch["routed_experts"]
     assert expanded.dtype == torch.int16 and not any(t.any() for t in expanded.unbind())

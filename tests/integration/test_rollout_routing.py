@@ -24,7 +24,24 @@ from verl_stable.routing.codecs import (
     encode_sglang,
 )
 from verl_stable.routing.trace import RoutingLayout
-from verl_stable.routing.transport import IDS_FIELD, SPAN_FIELD, dense_rows_from_fields
+from verl_stable.transport.boundary import (
+    BOUNDARY_COLUMNS,
+    BOUNDARY_ERRORS,
+    BOUNDARY_FIELD,
+    TRANSPORT_METRIC_PREFIX,
+    fetch_transport_metrics,
+    read_sglang_routed_experts,
+    transport_metrics,
+)
+from verl_stable.transport.expansion import (
+    COMPACT_FIELDS,
+    expand_compact_routing,
+    routing_trace_from_batch,
+    without_compact_fields,
+)
+from verl_stable.transport.fields import IDS_FIELD, SPAN_FIELD, dense_rows_from_fields
+from verl_stable.transport.options import MANAGER_FQN, RolloutRoutingOptions
+from verl_stable.transport.sharing import PROMPT_REF_FIELD, PromptRowSharing
 
 LAYOUT = RoutingLayout("qwen3_moe", "qwen3_moe", 5, (1, 2, 4), 2, 8)  # decoder layers 0 and 3 dense
 
@@ -69,7 +86,7 @@ def test_compact_fields_match_verls_own_int16_layout():
         fields.append(d)
     batch = list_of_dict_to_tensordict(fields)  # verl's own stacking into one TransferQueue put
     assert batch[IDS_FIELD].is_nested and batch[IDS_FIELD].dtype == torch.uint8
-    trace = rollout.routing_trace_from_batch(batch, LAYOUT)
+    trace = routing_trace_from_batch(batch, LAYOUT)
     assert trace.lengths.tolist() == [7, 13, 4, 7]
     for i, (verl_dict, seq) in enumerate(zip(verl_dicts, trace.split(), strict=True)):
         verl_moe = verl_dict["routed_experts"][:, list(LAYOUT.moe_layers)].long()
@@ -88,24 +105,24 @@ def test_compact_fields_match_verls_own_int16_layout():
         dense = dense_rows_from_fields(chunk[IDS_FIELD], chunk[SPAN_FIELD], chunk["input_ids"].offsets(), LAYOUT)
         assert dense.shape[0] == int(chunk["input_ids"].offsets()[-1])
     assert torch.equal(
-        rollout.routing_trace_from_batch(rejoined, LAYOUT).to_tensor(),
+        routing_trace_from_batch(rejoined, LAYOUT).to_tensor(),
         torch.cat([trace.sequence(i).to_tensor() for i in perm]),
     )
     # expanded back on the actor, it is verl's own field, value for value
-    assert rollout.expand_compact_routing(batch, LAYOUT) and not rollout.expand_compact_routing(batch, LAYOUT)
+    assert expand_compact_routing(batch, LAYOUT) and not expand_compact_routing(batch, LAYOUT)
     for got, verl_dict in zip(batch["routed_experts"].unbind(), verl_dicts, strict=True):
         assert got.dtype == torch.int16 and torch.equal(got, verl_dict["routed_experts"])
     ours = sum(t.numel() * t.element_size() for t in batch[IDS_FIELD].unbind())
     verls = sum(d["routed_experts"].numel() * 2 for d in verl_dicts)
     assert ours * 10 / 3 < verls  # uint8 over 3 of 5 layers vs int16 over 5, on recorded rows only
     # what the engine hands verl's micro-batch split: the expanded field without the consumed compact ones
-    engine_batch = rollout.without_compact_fields(batch)
-    compact_fields = {IDS_FIELD, SPAN_FIELD, rollout.BOUNDARY_FIELD}  # no prompt refs: nothing shared here
-    assert compact_fields <= set(rollout.COMPACT_FIELDS) and compact_fields <= set(batch.keys())  # the caller's keeps
-    assert not set(rollout.COMPACT_FIELDS) & set(engine_batch.keys())
-    assert set(engine_batch.keys()) == set(batch.keys()) - set(rollout.COMPACT_FIELDS)
+    engine_batch = without_compact_fields(batch)
+    compact_fields = {IDS_FIELD, SPAN_FIELD, BOUNDARY_FIELD}  # no prompt refs: nothing shared here
+    assert compact_fields <= set(COMPACT_FIELDS) and compact_fields <= set(batch.keys())  # the caller's keeps
+    assert not set(COMPACT_FIELDS) & set(engine_batch.keys())
+    assert set(engine_batch.keys()) == set(batch.keys()) - set(COMPACT_FIELDS)
     assert engine_batch["routed_experts"] is batch["routed_experts"] and engine_batch["input_ids"] is batch["input_ids"]
-    assert rollout.without_compact_fields(engine_batch) is engine_batch
+    assert without_compact_fields(engine_batch) is engine_batch
 
 
 def test_boundary_errors_and_configured_fallback():
@@ -117,7 +134,7 @@ def test_boundary_errors_and_configured_fallback():
     zeros.routed_experts[:] = 0  # the all-zero engine failure
     with pytest.raises(ZeroRoutingError):
         rollout.compact_agent_loop_output(zeros.model_copy(deep=True), LAYOUT)
-    options = rollout.RolloutRoutingOptions.from_config(
+    options = RolloutRoutingOptions.from_config(
         OmegaConf.create({"verl_stable": {"routing": {"on_invalid": "skip_sample"}}})
     )
     stats = BoundaryStats()
@@ -125,9 +142,9 @@ def test_boundary_errors_and_configured_fallback():
     d = skipped.as_dict()
     assert d[IDS_FIELD].shape == (0, 3, 2) and d[SPAN_FIELD].tolist() == [0, 0]
     assert skipped.extra_fields["stable_routing_skipped"] == 1 and stats.skipped_samples == 1
-    assert rollout.RolloutRoutingOptions.from_config(OmegaConf.create({})).on_invalid == "raise"
+    assert RolloutRoutingOptions.from_config(OmegaConf.create({})).on_invalid == "raise"
     with pytest.raises(ValueError, match="on_invalid"):
-        rollout.RolloutRoutingOptions(on_invalid="guess")
+        RolloutRoutingOptions(on_invalid="guess")
 
 
 def test_boundary_counters_travel_with_each_sample():
@@ -137,26 +154,26 @@ def test_boundary_counters_travel_with_each_sample():
     verl_bytes = [o.model_copy(deep=True).as_dict()["routed_experts"].numel() * 2 for o in outputs]
     zeros = agent_output(rng, 3, [1, 1])
     zeros.routed_experts[:] = 0
-    options = rollout.RolloutRoutingOptions(on_invalid="skip_sample")
+    options = RolloutRoutingOptions(on_invalid="skip_sample")
     stats = BoundaryStats()
     dicts = [rollout.compact_agent_loop_output(o, LAYOUT, options, stats).as_dict() for o in (*outputs, zeros)]
-    columns = {name: i for i, name in enumerate(rollout.BOUNDARY_COLUMNS)}
-    counters = [d[rollout.BOUNDARY_FIELD] for d in dicts]
+    columns = {name: i for i, name in enumerate(BOUNDARY_COLUMNS)}
+    counters = [d[BOUNDARY_FIELD] for d in dicts]
     assert [c[columns["tokens"]] for c in counters] == [7, 13, 5]
     assert [c[columns["recorded_rows"]] for c in counters] == [6, 10, 0]
     assert [c[columns["skipped"]] for c in counters] == [0, 0, 1]
-    zero_code = rollout.BOUNDARY_ERRORS.index(ZeroRoutingError)
+    zero_code = BOUNDARY_ERRORS.index(ZeroRoutingError)
     assert [c[columns["error_code"]] for c in counters] == [-1, -1, zero_code]
     assert [c[columns["verl_bytes"]] for c in counters[:2]] == verl_bytes
     for c, d in zip(counters, dicts, strict=True):  # uint8 ids + int64 span + the counters themselves
-        assert c[columns["bytes"]] == d[IDS_FIELD].numel() + 16 + 8 * len(rollout.BOUNDARY_COLUMNS)
+        assert c[columns["bytes"]] == d[IDS_FIELD].numel() + 16 + 8 * len(BOUNDARY_COLUMNS)
     assert stats.samples == 3 and stats.skipped_samples == 1 and stats.errors == {"ZeroRoutingError": 1}
 
     batch = list_of_dict_to_tensordict(dicts)  # verl's stacking: equal shapes -> [B, columns]
-    metrics = rollout.transport_metrics(batch[rollout.BOUNDARY_FIELD])
-    prefix = rollout.TRANSPORT_METRIC_PREFIX
+    metrics = transport_metrics(batch[BOUNDARY_FIELD])
+    prefix = TRANSPORT_METRIC_PREFIX
     ids_bytes = [d[IDS_FIELD].numel() for d in dicts]
-    moved = sum(ids_bytes) + 3 * (16 + 8 * len(rollout.BOUNDARY_COLUMNS))
+    moved = sum(ids_bytes) + 3 * (16 + 8 * len(BOUNDARY_COLUMNS))
     assert metrics == {
         f"{prefix}samples": 3.0,
         f"{prefix}skipped_samples": 1.0,
@@ -174,13 +191,13 @@ def test_boundary_counters_travel_with_each_sample():
         f"{prefix}prompt_rows_deduplicated": 0.0,
         f"{prefix}prompt_rows_differ": 0.0,
     }
-    kept = rollout.transport_metrics(batch[rollout.BOUNDARY_FIELD], keep=[True, False, False])
+    kept = transport_metrics(batch[BOUNDARY_FIELD], keep=[True, False, False])
     assert kept[f"{prefix}samples"] == 1.0 and kept[f"{prefix}recorded_rows"] == 6.0
     assert f"{prefix}error/ZeroRoutingError" not in kept
     with pytest.raises(RowCountError, match="columns"):
-        rollout.transport_metrics(torch.zeros(2, 3, dtype=torch.int64))
+        transport_metrics(torch.zeros(2, 3, dtype=torch.int64))
     with pytest.raises(RowCountError, match="keep has shape"):
-        rollout.transport_metrics(batch[rollout.BOUNDARY_FIELD], keep=[True])
+        transport_metrics(batch[BOUNDARY_FIELD], keep=[True])
 
 
 def test_trainer_fetches_transport_metrics_from_transfer_queue():
@@ -200,12 +217,12 @@ def test_trainer_fetches_transport_metrics_from_transfer_queue():
         return store.select(*select_fields)
 
     meta = KVBatchMeta(keys=["a", "b", "c"], tags=[{}, {}, {"is_padding": True}], partition_id="train")
-    metrics = rollout.fetch_transport_metrics(meta, kv_batch_get)
-    assert calls == [(("a", "b", "c"), "train", (rollout.BOUNDARY_FIELD,))]
-    assert metrics[f"{rollout.TRANSPORT_METRIC_PREFIX}samples"] == 2.0
-    assert metrics[f"{rollout.TRANSPORT_METRIC_PREFIX}recorded_rows"] == 2 * 5.0
-    store = store.exclude(rollout.BOUNDARY_FIELD)
-    assert rollout.fetch_transport_metrics(meta, kv_batch_get) == {}
+    metrics = fetch_transport_metrics(meta, kv_batch_get)
+    assert calls == [(("a", "b", "c"), "train", (BOUNDARY_FIELD,))]
+    assert metrics[f"{TRANSPORT_METRIC_PREFIX}samples"] == 2.0
+    assert metrics[f"{TRANSPORT_METRIC_PREFIX}recorded_rows"] == 2 * 5.0
+    store = store.exclude(BOUNDARY_FIELD)
+    assert fetch_transport_metrics(meta, kv_batch_get) == {}
 
 
 def test_verl_padding_samples_get_no_routing():
@@ -221,19 +238,19 @@ def test_verl_padding_samples_get_no_routing():
     pad, _ = construct_minimal_padding_template(dict(real), {}, eos_token_id=2)
     assert pad[SPAN_FIELD].tolist() == [0, 169]  # verl copied it as is
     batch = list_of_dict_to_tensordict([real, pad])
-    trace = rollout.routing_trace_from_batch(batch, LAYOUT)
+    trace = routing_trace_from_batch(batch, LAYOUT)
     assert trace.lengths.tolist() == [170, SYNTHETIC_PADDING_SEQ_LEN]
     assert not trace.sequence(1).valid_mask().any() and trace.sequence(0).valid_mask().all(dim=1).sum() == 169
-    assert rollout.expand_compact_routing(batch, LAYOUT)
+    assert expand_compact_routing(batch, LAYOUT)
     got_real, got_pad = batch["routed_experts"].unbind()
     assert torch.equal(got_real, reference)
     assert got_pad.shape == (SYNTHETIC_PADDING_SEQ_LEN, 5, 2) and not got_pad.any()
     # the same overrun on a sample that generated tokens is a real misalignment
     broken = list_of_dict_to_tensordict([real, {**pad, "response_mask": torch.ones(1, dtype=torch.int64)}])
     with pytest.raises(RowCountError, match="sample 1: routing covers positions up to 169 of its 128 tokens"):
-        rollout.expand_compact_routing(broken, LAYOUT)
+        expand_compact_routing(broken, LAYOUT)
     with pytest.raises(RowCountError, match="sample 1"):
-        rollout.routing_trace_from_batch(broken.exclude("response_mask"), LAYOUT)
+        routing_trace_from_batch(broken.exclude("response_mask"), LAYOUT)
 
 
 def test_actor_expansion_names_the_sample_whose_routing_is_corrupt():
@@ -250,7 +267,7 @@ def test_actor_expansion_names_the_sample_whose_routing_is_corrupt():
     batch = list_of_dict_to_tensordict(fields)
     start = int(batch[SPAN_FIELD][1][0])
     with pytest.raises(ExpertIdRangeError, match=rf"sample 1: .*token position {start + 2}, MoE layer 1"):
-        rollout.expand_compact_routing(batch, LAYOUT)
+        expand_compact_routing(batch, LAYOUT)
     assert "routed_experts" not in batch.keys()
 
 
@@ -260,10 +277,10 @@ def test_sglang_reader_fix_returns_vllm_layout():
     rows = RoutedRows(0, full[:, list(LAYOUT.moe_layers)])
     for wire in ("int32", "uint8"):
         output = {"output_ids": [7, 8, 9], "meta_info": encode_sglang(rows, LAYOUT, wire_dtype=wire)}
-        np.testing.assert_array_equal(rollout.read_sglang_routed_experts(output, prompt_len=5, layout=LAYOUT), full)
+        np.testing.assert_array_equal(read_sglang_routed_experts(output, prompt_len=5, layout=LAYOUT), full)
     offset = {"output_ids": [7, 8, 9], "meta_info": encode_sglang(RoutedRows(2, rows.ids[2:]), LAYOUT)}
     with pytest.raises(RowCountError, match="routed_experts_start_len=2"):
-        rollout.read_sglang_routed_experts(offset, prompt_len=5, layout=LAYOUT)
+        read_sglang_routed_experts(offset, prompt_len=5, layout=LAYOUT)
 
 
 def test_manager_resolves_by_fqn_and_worker_postprocess_puts_compact_fields(monkeypatch):
@@ -272,7 +289,7 @@ def test_manager_resolves_by_fqn_and_worker_postprocess_puts_compact_fields(monk
     import transfer_queue as tq
     from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
 
-    manager_cls = load_class_from_fqn(rollout.MANAGER_FQN, "AgentLoopManager")
+    manager_cls = load_class_from_fqn(MANAGER_FQN, "AgentLoopManager")
     assert issubclass(manager_cls, AgentLoopManagerTQ)
     worker_cls = rollout.CompactRoutingAgentLoopWorkerTQ
     assert issubclass(worker_cls, AgentLoopWorkerTQ.__ray_actor_class__)
@@ -285,10 +302,10 @@ def test_manager_resolves_by_fqn_and_worker_postprocess_puts_compact_fields(monk
     worker = worker_cls.__new__(worker_cls)  # the Ray/TransferQueue-free part of __init__ by hand
     worker.reward_loop_worker_handles, worker.distillation_enabled, worker.processor = None, False, None
     worker.stable_routing_enabled = True
-    worker.stable_routing_layout, worker.stable_routing_options = LAYOUT, rollout.RolloutRoutingOptions()
+    worker.stable_routing_layout, worker.stable_routing_options = LAYOUT, RolloutRoutingOptions()
     worker.stable_routing_stats = BoundaryStats()
     worker.stable_prompt_sharing, worker.stable_prompt_puts, worker.stable_group_sizes = (
-        rollout.PromptRowSharing(),
+        PromptRowSharing(),
         {},
         {},
     )
@@ -304,16 +321,16 @@ def test_manager_resolves_by_fqn_and_worker_postprocess_puts_compact_fields(monk
     asyncio.run(worker._agent_loop_postprocess(output, False, uid="u0", session_id=0, global_steps=1))
     fields = put["fields"]
     assert put["keys"] == ["u0_0_0"] and "routed_experts" not in fields.keys()
-    assert fields[rollout.BOUNDARY_FIELD][0, 1].item() == 6  # recorded rows, stored with the sample
+    assert fields[BOUNDARY_FIELD][0, 1].item() == 6  # recorded rows, stored with the sample
     assert fields[SPAN_FIELD].tolist() == [[0, 6]]
-    assert fields[rollout.PROMPT_REF_FIELD].tolist() == [[0, 0, 0]]  # called outside _run_prompt: a group of one
+    assert fields[PROMPT_REF_FIELD].tolist() == [[0, 0, 0]]  # called outside _run_prompt: a group of one
     np.testing.assert_array_equal(fields[IDS_FIELD][0].numpy(), expected)
     assert worker.stable_routing_metrics()["stable/routing/samples"] == 1.0
 
 
 def test_register_checks_verl_interfaces():
     names = rollout.register()
-    assert names and rollout.MANAGER_FQN in names[0]
+    assert names and MANAGER_FQN in names[0]
 
 
 # ------------------------------------------------------------- a multi-turn conversation cut at response_length
@@ -337,7 +354,7 @@ class _EngineStandIn:
 
 @pytest.fixture(scope="module")
 def multi_turn(tmp_path_factory):
-    """Runs verl's own ``ToolAgentLoop`` (through the project's simulated user, :mod:`verl_stable.cpu.interactions`:
+    """Runs verl's own ``ToolAgentLoop`` (through the project's simulated user, :mod:`verl_stable.toy.interactions`:
     answer, the question again, answer, 4 tokens per assistant turn) on the tiny tokenizer; returns a function of
     ``response_length`` giving verl's ``AgentLoopOutput``: prompt 10 tokens, conversation 18 (4 generated, 10 of the
     user turn, 4 generated)."""
@@ -347,7 +364,7 @@ def multi_turn(tmp_path_factory):
     from hydra import compose, initialize_config_dir
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap
 
-    from verl_stable.cpu import assets, interactions
+    from verl_stable.toy import assets, interactions
 
     tokenizer = assets.build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
     config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
@@ -400,11 +417,11 @@ def test_a_conversation_cut_at_response_length_is_accepted_and_its_extra_row_tri
         assert (stats.samples, stats.skipped_samples) == (1, 0)
         assert (stats.truncated_samples, stats.trimmed_rows) == (trimmed, trimmed)
         assert compact.extra_fields["stable_routing_missing_positions"] == 1  # the last token, as for any sample
-        counters = d[rollout.BOUNDARY_FIELD]
-        columns = {name: i for i, name in enumerate(rollout.BOUNDARY_COLUMNS)}
+        counters = d[BOUNDARY_FIELD]
+        columns = {name: i for i, name in enumerate(BOUNDARY_COLUMNS)}
         assert counters[columns["trimmed_rows"]] == trimmed and counters[columns["recorded_rows"]] == kept
-        metrics = rollout.transport_metrics(counters.unsqueeze(0))
-        prefix = rollout.TRANSPORT_METRIC_PREFIX
+        metrics = transport_metrics(counters.unsqueeze(0))
+        prefix = TRANSPORT_METRIC_PREFIX
         assert metrics[f"{prefix}truncated_samples"] == metrics[f"{prefix}trimmed_rows"] == trimmed
         assert metrics[f"{prefix}missing_positions"] == 1 and metrics[f"{prefix}skipped_samples"] == 0
 
@@ -433,7 +450,7 @@ def test_a_cut_conversation_is_refused_without_the_limit_and_malformed_payloads_
             rollout.compact_agent_loop_output(bad, LAYOUT, response_length=16)
         stats = BoundaryStats()
         skipped = rollout.compact_agent_loop_output(
-            bad, LAYOUT, rollout.RolloutRoutingOptions(on_invalid="skip_sample"), stats, response_length=16
+            bad, LAYOUT, RolloutRoutingOptions(on_invalid="skip_sample"), stats, response_length=16
         )
         assert skipped.as_dict()[SPAN_FIELD].tolist() == [0, 0], name  # trained on the model's own routing
         assert (stats.skipped_samples, stats.truncated_samples, stats.trimmed_rows) == (1, 0, 0), name
@@ -446,9 +463,9 @@ def test_e2e_r3_actors_receive_the_compact_form_and_replay_it(tmp_path):
 
     The prompt rows travel once per group (side entries re-attached on the actors): every update still replays
     exactly the rollout's experts."""
-    from verl_stable.cpu import launch
     from verl_stable.integration import fsdp_engine as fe
-    from verl_stable.lab.assets import AssetSpec, ensure_assets
+    from verl_stable.toy import launch
+    from verl_stable.toy.assets import AssetSpec, ensure_assets
 
     assets = ensure_assets(tmp_path / "assets", AssetSpec(task="copy"))
     overrides = launch.cpu_overrides(assets, steps=2, precision="bf16", routing_capture=True, metrics_logger=("file",))
@@ -457,7 +474,7 @@ def test_e2e_r3_actors_receive_the_compact_form_and_replay_it(tmp_path):
         "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
         "actor_rollout_ref.actor.ppo_mini_batch_size=2",  # two update mini-steps per step
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",  # two micro-batches per mini-step
-        f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={rollout.MANAGER_FQN}",
+        f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={MANAGER_FQN}",
         "+verl_stable.routing.share_prompt_rows_min_bytes=0",  # share every group: the path under test
         "trainer.v1.trainer_mode=stable_sync",  # logs stable/routing/transport/* and clears the side entries
     ]
@@ -475,7 +492,7 @@ def test_e2e_r3_actors_receive_the_compact_form_and_replay_it(tmp_path):
         assert row[f"{fe.METRIC_PREFIX}coverage/response_replayed"] == 1.0
         assert row[f"{fe.METRIC_PREFIX}coverage/prompt_replayed"] == 1.0
         assert row[f"{fe.METRIC_PREFIX}coverage/not_needed"] > 0.0 and row["stable/guard/replay_coverage"] == 0.0
-        transport = {k.removeprefix(rollout.TRANSPORT_METRIC_PREFIX): v for k, v in row.items() if "transport/" in k}
+        transport = {k.removeprefix(TRANSPORT_METRIC_PREFIX): v for k, v in row.items() if "transport/" in k}
         assert transport["prompt_groups_shared"] == 4.0  # 4 prompts x rollout.n = 4: each prompt's rows put once
         assert transport["prompt_rows_deduplicated"] > 0 and transport["prompt_rows_differ"] < transport["samples"]
         assert transport["samples"] == 16.0 and transport["bytes"] < transport["verl_bytes"]

@@ -1,6 +1,6 @@
 """Reproducible rollouts (issue #17): per-sample seeds from the sample's identity, and puts in dispatch order.
 
-The derivation and the ordering are pure Python (:mod:`verl_stable.integration.rollout.seeding`); the last tests run
+The derivation and the ordering are pure Python (:mod:`verl_stable.transport.seeding`); the last tests run
 verl's real ``AgentLoopWorkerTQ._run_prompt`` / ``_agent_loop_postprocess`` through our worker subclass, with an
 in-memory stand-in for TransferQueue's put and for the agent loop's LLM call (the only stand-ins).
 """
@@ -23,7 +23,8 @@ from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorke
 
 from verl_stable.integration import rollout
 from verl_stable.integration.rollout.agent_loop import OCCURRENCE_FIELD, ORDERED_PUT_MODES, TURN_FIELD
-from verl_stable.integration.rollout.seeding import (
+from verl_stable.transport.options import RolloutRoutingOptions
+from verl_stable.transport.seeding import (
     MAX_SEED,
     DispatchLedger,
     DispatchTurns,
@@ -33,6 +34,7 @@ from verl_stable.integration.rollout.seeding import (
     prompt_content_key,
     sample_seed,
 )
+from verl_stable.transport.sharing import PromptRowSharing
 
 KEY = prompt_content_key({"raw_prompt": [{"role": "user", "content": "max 3 8 1"}], "index": 0})
 
@@ -44,7 +46,7 @@ def test_sample_seed_is_a_stable_hash_of_the_identity():
     assert sample_seed(0, 1, False, "k", 0, 0) == sample_seed(0, 1, False, "k", 0, 0)
     # independent of Python's per-process string hashing: the same value in a process with another hash seed
     code = (
-        "from verl_stable.integration.rollout.seeding import sample_seed, prompt_content_key;"
+        "from verl_stable.transport.seeding import sample_seed, prompt_content_key;"
         "print(sample_seed(7, 3, True, prompt_content_key({'raw_prompt': 'p', 'index': 2}), 1, 2))"
     )
     env = {"PYTHONHASHSEED": "12345", "PATH": ""}
@@ -170,9 +172,9 @@ def _worker(n: int, run_seed: int, trainer_mode: str = "sync"):
     )
     worker.reward_loop_worker_handles, worker.distillation_enabled, worker.processor = None, False, None
     worker.stable_routing_enabled = False
-    worker.stable_routing_options = rollout.RolloutRoutingOptions()
+    worker.stable_routing_options = RolloutRoutingOptions()
     worker.stable_prompt_sharing, worker.stable_prompt_puts, worker.stable_group_sizes = (
-        rollout.PromptRowSharing(),
+        PromptRowSharing(),
         {},
         {},
     )

@@ -270,7 +270,7 @@ def test_registration_waits_for_verls_trainer_package_in_a_fresh_process():
         "from verl.trainer.ppo.v1 import get_trainer_cls\n"
         "cls = get_trainer_cls('stable_colocate_async')\n"
         "print(cls.__name__, cls.__mro__[2].__name__, T.register())\n"
-        "from verl_stable.integration import import_hooks\n"
+        "from verl_stable.compat import import_hooks\n"
         "assert not import_hooks.pending_hooks() and not import_hooks.finder_installed()\n"
     )
     env = dict(os.environ, VERL_USE_EXTERNAL_PLUGINS="none")
@@ -381,7 +381,7 @@ def test_stable_sync_hands_the_trainer_each_sampled_batch_in_dispatch_order(regi
 
     from transfer_queue import KVBatchMeta
 
-    from verl_stable.integration.rollout.seeding import DispatchLedger
+    from verl_stable.transport.seeding import DispatchLedger
 
     def as_finished(self, global_steps, partition_id, batch_size):  # verl's order: as the samples were put
         keys = ["b_0_0", "a_1_0", "c_0_0", "a_0_0"]

@@ -3,7 +3,7 @@
 Each node is a separate ``ray start --block`` (its own raylet, object store, one fake GPU and a few CPU slots), so the
 workers on either node get their environment from that node, not from verl's driver: the CPU platform selection
 (``VERL_PLATFORM=cpu``) and the run's variables must travel in the Ray job's ``runtime_env``
-(``verl_stable.cpu.trainer_process.job_env``), otherwise verl picks NCCL there and fails. One verl ``main_ppo`` with
+(``verl_stable.toy.trainer_process.job_env``), otherwise verl picks NCCL there and fails. One verl ``main_ppo`` with
 ``trainer.nnodes=2 trainer.n_gpus_per_node=1`` (R3 through the compact transport, 2 steps, ~1-2 min on 2 idle cores)
 is shared by the assertions: it must finish, replay exactly on both ranks, and have placed an actor rank and a rollout
 replica on each node (Ray's state API, read while the cluster is still up; both nodes have the same IP here, so the
@@ -160,9 +160,9 @@ class TwoNodeCluster:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """The one verl run over the two-node cluster: (metrics, log, node ids, actor rank nodes, rollout server nodes)."""
-    from verl_stable.cpu import launch
-    from verl_stable.integration import rollout
-    from verl_stable.lab.assets import AssetSpec, ensure_assets
+    from verl_stable.toy import launch
+    from verl_stable.toy.assets import AssetSpec, ensure_assets
+    from verl_stable.transport.options import MANAGER_FQN
 
     tmp = tmp_path_factory.mktemp("two_nodes")
     assets = ensure_assets(tmp / "assets", AssetSpec(task="copy"))
@@ -181,7 +181,7 @@ def run(tmp_path_factory):
             "ray_kwargs.ray_init.num_cpus=null",
             "ray_kwargs.ray_init.num_gpus=null",
             "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
-            f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={rollout.MANAGER_FQN}",
+            f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={MANAGER_FQN}",
             "+verl_stable.routing.share_prompt_rows_min_bytes=0",  # share every group: the path under test
             "trainer.v1.trainer_mode=stable_sync",
             # each rank gets half the batch: micro-batches by token budget, as in the dp = 2 single-node test

@@ -5,7 +5,7 @@ Three verl runs shared by the assertions: sp=1 (one actor rank), sp=2 (two actor
 so dp = 1: both ranks train on the same batch as the single rank does) and dp x sp = 2 x 2 (four actor ranks, two
 Ulysses groups, four rollout replicas; ``balance_batch`` and dynamic batch sizes on, as data-parallel runs use them). Every worker process registers the kernel in
 verl's plugin step; at sp=2 verl's Ulysses patch all-to-alls each layer's query/key/value to the whole sequence with
-half the heads and calls the kernel underneath. Rollouts are seeded per sample (``integration/rollout/seeding.py``), so
+half the heads and calls the kernel underneath. Rollouts are seeded per sample (``transport/seeding.py``), so
 both runs sample the same tokens whichever of their replicas serves a sample; the sp=2 run must then replay exactly
 and compute, on step 1 (before the runs may part by float rounding after the first Adam step), the same log-probs,
 loss and gradient norm as the sp=1 run. Without the kernel (sdpa under sp=2) each rank would attend only within its
@@ -27,9 +27,9 @@ KERNEL_LINE = re.compile(r"\(WorkerDict pid=(\d+)\).*verl_stable_varlen attentio
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     from verl_stable import recipes
-    from verl_stable.cpu import launch
-    from verl_stable.integration import rollout
-    from verl_stable.lab.assets import AssetSpec, ensure_assets
+    from verl_stable.toy import launch
+    from verl_stable.toy.assets import AssetSpec, ensure_assets
+    from verl_stable.transport.options import MANAGER_FQN
 
     tmp = tmp_path_factory.mktemp("sp")
     assets = ensure_assets(tmp / "assets", AssetSpec(task="copy"))  # 4 heads, 2 kv heads: 2 and 1 per sp rank
@@ -44,7 +44,7 @@ def runs(tmp_path_factory):
             f"ray_kwargs.ray_init.num_gpus={ranks}",  # one fake GPU per actor rank and rollout replica
             f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}",  # the reference follows (no ref here)
             "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3",
-            f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={rollout.MANAGER_FQN}",
+            f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={MANAGER_FQN}",
             "trainer.v1.trainer_mode=stable_sync",
         ]
         if ranks > sp:  # data parallel too: verl's fixed micro-batches do not divide the balanced halves

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from verl_stable.lab import cli, sweep
-from verl_stable.lab.assets import Assets
 from verl_stable.lab.coldstart import ColdStartResult
+from verl_stable.toy.assets import Assets
 
 
 def _no_work(*args, **kwargs):
@@ -25,7 +25,7 @@ def _no_work(*args, **kwargs):
 @pytest.fixture
 def no_work(monkeypatch):
     """Any asset build, cold start or verl run fails the test."""
-    import verl_stable.cpu.launch as launch
+    import verl_stable.toy.launch as launch
 
     monkeypatch.setattr(sweep, "prepare", _no_work)
     monkeypatch.setattr(sweep, "ensure_assets", _no_work)
@@ -261,7 +261,7 @@ def test_merge_replaces_a_remeasured_run_and_keeps_the_rest(tmp_path):
 
 def test_a_run_that_starts_over_sets_its_earlier_attempt_aside(tmp_path, monkeypatch):
     """A finished run of other overrides (e.g. another --steps) is moved to superseded/, never deleted."""
-    import verl_stable.cpu.launch as launch
+    import verl_stable.toy.launch as launch
 
     run_dir = tmp_path / "runs" / "minirl__N1__s0"
     _log_steps(run_dir, range(1, 4))
@@ -307,7 +307,7 @@ def test_cli_reports_every_run_in_out_after_an_only_sweep(tmp_path, monkeypatch)
 )
 def test_a_damaged_run_is_incomplete_and_starts_over(tmp_path, monkeypatch, done, last_line):
     """A run killed while writing is run again (its files set aside), not a traceback that stops the sweep."""
-    import verl_stable.cpu.launch as launch
+    import verl_stable.toy.launch as launch
 
     run_dir = tmp_path / "r"
     _log_steps(run_dir, range(1, 3))
@@ -326,7 +326,7 @@ def test_a_damaged_run_is_incomplete_and_starts_over(tmp_path, monkeypatch, done
 
 
 def test_a_damaged_asset_marker_rebuilds_the_assets(tmp_path, monkeypatch):
-    from verl_stable.cpu import assets as A
+    from verl_stable.toy import assets as A
 
     built = []
     monkeypatch.setattr(A, "build_tokenizer", lambda d: built.append("tokenizer"))
@@ -343,7 +343,7 @@ def test_a_damaged_cold_start_cache_entry_is_rebuilt(tmp_path, monkeypatch):
     import transformers
 
     from verl_stable.lab import coldstart
-    from verl_stable.lab.assets import AssetSpec
+    from verl_stable.toy.assets import AssetSpec
 
     spec, config = AssetSpec(), coldstart.ColdStartConfig()
     entry = tmp_path / coldstart.cache_key(spec, config)
@@ -497,7 +497,7 @@ def test_an_out_in_a_symlink_loop_is_refused(tmp_path, no_work, capsys, report_o
 
 def test_an_attempt_that_logged_no_step_is_set_aside_too(tmp_path, monkeypatch):
     """A run that failed before its first step left only its log and error: both are kept when it starts over."""
-    import verl_stable.cpu.launch as launch
+    import verl_stable.toy.launch as launch
 
     run_dir = tmp_path / "runs" / "minirl__N1__s0"
     run_dir.mkdir(parents=True)

@@ -9,10 +9,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from verl_stable.lab import reward, tasks
-from verl_stable.lab.assets import AssetSpec, ensure_assets
+from verl_stable.lab import reward
 from verl_stable.lab.coldstart import ColdStartConfig, cache_key, cold_start, encode_examples, expected_reward
 from verl_stable.lab.progress import ProgressBar
+from verl_stable.toy import tasks
+from verl_stable.toy.assets import AssetSpec, ensure_assets
 
 TINY = AssetSpec(
     task="copy", num_train=8, num_val=4, hidden_size=32, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2

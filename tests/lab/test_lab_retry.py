@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from verl_stable.lab import cli, report, sweep
-from verl_stable.lab.assets import Assets
 from verl_stable.lab.coldstart import ColdStartResult
 from verl_stable.lab.progress import ProgressBar
+from verl_stable.toy.assets import Assets
 
 # what a failed start of verl looks like in main_ppo.log (Ray's colour codes and actor prefixes included)
 STARTUP_LOG = (

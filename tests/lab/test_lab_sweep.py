@@ -69,7 +69,7 @@ def test_list_prints_presets_and_variants():
 @pytest.mark.e2e
 def test_mini_preset_end_to_end(tmp_path):
     """verl's main_ppo on CPU for one R3 run of two steps; report, plots and metrics agree; R3 disagreement is 0."""
-    from verl_stable.integration import rollout
+    from verl_stable.transport.boundary import BOUNDARY_COLUMNS
 
     out = tmp_path / "lab"
     lines = []
@@ -92,7 +92,7 @@ def test_mini_preset_end_to_end(tmp_path):
         # on a tiny model's 14-token samples weigh as much as the ids (the lab's groups save far less than
         # share_prompt_rows_min_bytes, so every sample keeps its prompt rows; the <= 0.5x target at the Qwen3-30B-A3B
         # shape is asserted in tests/patches and tests/integration)
-        per_sample = 8 * (2 + 3 + len(rollout.BOUNDARY_COLUMNS))
+        per_sample = 8 * (2 + 3 + len(BOUNDARY_COLUMNS))
         transport = {k.rsplit("/", 1)[1]: v for k, v in row.items() if k.startswith("stable/routing/transport/")}
         assert transport["prompt_groups_shared"] == 0.0
         ids_bytes = transport["bytes"] - transport["samples"] * per_sample
@@ -118,9 +118,9 @@ def test_parallel_sweep_overlaps_runs_and_keeps_preset_order(tmp_path, monkeypat
     import threading
     import time
 
-    from verl_stable.lab.assets import Assets
     from verl_stable.lab.coldstart import ColdStartResult
     from verl_stable.lab.progress import ProgressBar
+    from verl_stable.toy.assets import Assets
 
     preset = sweep.Preset("t", runs=(("minirl", 1), ("minirl_r3", 4), ("vespo", 4)), steps=2)
     assets = Assets(*(tmp_path / n for n in ("root", "model", "train.parquet", "val.parquet")))

@@ -8,7 +8,7 @@ import pytest
 
 from verl_stable import recipes
 from verl_stable.lab import variants as V
-from verl_stable.lab.assets import Assets
+from verl_stable.toy.assets import Assets
 
 ASSETS = Assets(Path("/lab/assets"), Path("/lab/model"), Path("/lab/train.parquet"), Path("/lab/val.parquet"))
 GEOMETRY = dict(steps=3, mini_batch_prompts=2, group_size=4)

@@ -10,7 +10,7 @@ import pytest
 
 from verl_stable import recipe_cli
 from verl_stable import recipes as R
-from verl_stable.cpu import launch
+from verl_stable.toy import launch
 
 EXPECTED_KEY = "expected a key of verl's ppo_trainer or of verl-stable"
 

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 from verl_stable import recipe_cli
 from verl_stable import recipes as R
-from verl_stable.cpu import launch
+from verl_stable.toy import launch
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 
@@ -238,7 +238,7 @@ def test_an_unknown_key_anywhere_in_a_recipe_fails(tmp_path, key, value):
 
 
 def test_a_dataclass_field_missing_from_verls_yaml_is_known(tmp_path):
-    from verl_stable.integration.rollout import uses_compact_routing
+    from verl_stable.transport.options import uses_compact_routing
 
     key = "actor_rollout_ref.rollout.agent.agent_loop_manager_class"
     manager = "verl_stable.integration.rollout.CompactRoutingAgentLoopManagerTQ"

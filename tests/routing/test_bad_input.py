@@ -49,13 +49,13 @@ from verl_stable.routing.codecs import (
     trace_to_rows,
     validate_ids,
 )
-from verl_stable.routing.transport import (
-    PackedRouting,
+from verl_stable.transport.fields import (
     dense_rows_from_fields,
     rows_from_fields,
     sample_fields,
     trace_from_fields,
 )
+from verl_stable.transport.packed import PackedRouting
 
 LAYOUT = RoutingLayout("qwen3_moe", "qwen3_moe", 6, (1, 2, 4, 5), 4, 16)  # dense decoder layers 0 and 3
 KW = dict(prompt_len=3, response_len=2, layout=LAYOUT)  # 4 routed rows

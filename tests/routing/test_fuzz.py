@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import array_shapes, arrays
 from tensordict import TensorDict
 
-from verl_stable.integration.rollout.actor import expand_compact_routing
 from verl_stable.routing.codecs import (
     BoundaryStats,
     ExpertIdRangeError,
@@ -43,15 +42,16 @@ from verl_stable.routing.codecs import (
     trace_to_rows,
 )
 from verl_stable.routing.trace import RoutingLayout, RoutingTrace
-from verl_stable.routing.transport import (
+from verl_stable.transport.expansion import expand_compact_routing
+from verl_stable.transport.fields import (
     IDS_FIELD,
     SPAN_FIELD,
-    PackedRouting,
     dense_rows_from_fields,
     rows_from_fields,
     sample_fields,
     trace_from_fields,
 )
+from verl_stable.transport.packed import PackedRouting
 
 FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 BOUNDARY_EXPERTS = [2, 3, 8, 128, 255, 256, 257, 4096, 32767, 32768, 32769, 65535, 65536, 65537, 70000]

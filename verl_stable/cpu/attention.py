@@ -23,7 +23,7 @@ This module gives the CPU both halves:
   runs under verl's all-to-all. Both wait for the import of their module (:func:`~verl_stable.integration.
   import_hooks.when_imported`): the plugin step imports neither transformers' modeling code nor verl's patch module.
 
-Selecting it for a run is :data:`OVERRIDES` (``verl_stable.cpu.launch.cpu_overrides(attention="varlen")``).
+Selecting it for a run is :data:`OVERRIDES` (``verl_stable.toy.launch.cpu_overrides(attention="varlen")``).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from verl_stable.cpu import contracts
-from verl_stable.cpu.contracts import Contract, ContractError, ContractResult
+from verl_stable.compat import contracts
+from verl_stable.compat.contracts import Contract, ContractError, ContractResult
 from verl_stable.cpu.platform import cpu_selected
 
 ATTN_IMPLEMENTATION = "verl_stable_varlen"
@@ -275,7 +275,7 @@ def register() -> list[str]:
     """
     if not cpu_selected():
         return []
-    from verl_stable.integration.import_hooks import when_imported
+    from verl_stable.compat.import_hooks import when_imported
 
     done = []
     for module, callback in ((TRANSFORMERS_MODULE, register_attention), (VERL_PATCH_MODULE, install_ulysses_kernel)):

@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from verl_stable.cpu import contracts
-from verl_stable.cpu.contracts import Contract, ContractError, ContractResult
+from verl_stable.compat import contracts
+from verl_stable.compat.contracts import Contract, ContractError, ContractResult
 from verl_stable.cpu.platform import cpu_selected
 
 DEVICE = "cpu"
@@ -74,7 +74,7 @@ def unpinned_offload_policy() -> Iterator[type]:
     ``CPUOffloadPolicy``; the module's original name is restored on exit. Yields the policy class in use.
 
     Raises:
-        verl_stable.cpu.contracts.ContractError: verl's engine module no longer has that module-level name.
+        verl_stable.compat.contracts.ContractError: verl's engine module no longer has that module-level name.
     """
     import importlib
 

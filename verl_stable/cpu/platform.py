@@ -12,8 +12,8 @@ inherits nothing from the driver: its workers take their environment from the ``
 so they would select verl's default platform (NVIDIA: NCCL, CUDA). The choice therefore also travels in the Ray job's
 ``runtime_env``: verl passes ``ray_kwargs.ray_init.runtime_env`` to ``ray.init`` and Ray sets its ``env_vars`` in
 every process of the job on every node. The CPU launcher's overrides carry ``VERL_PLATFORM=cpu`` there
-(:data:`verl_stable.cpu.launch.RUNTIME_OVERRIDES`) and its subprocess forwards the other variables it sets
-(:func:`verl_stable.cpu.trainer_process.job_env`).
+(:data:`verl_stable.toy.launch.RUNTIME_OVERRIDES`) and its subprocess forwards the other variables it sets
+(:func:`verl_stable.toy.trainer_process.job_env`).
 
 Two things verl assumes of an accelerator are answered here:
 
@@ -40,8 +40,8 @@ from typing import Any
 import torch
 
 from verl_stable import SUPPORTED_VERL_VERSION
-from verl_stable.cpu import contracts
-from verl_stable.cpu.contracts import Contract, ContractError, ContractResult
+from verl_stable.compat import contracts
+from verl_stable.compat.contracts import Contract, ContractError, ContractResult
 
 PLATFORM_NAME = "cpu"
 ENV_PLATFORM = "VERL_PLATFORM"

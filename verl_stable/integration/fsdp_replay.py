@@ -43,8 +43,8 @@ to ``stable/routing/...`` and add one value per update mini-step):
   counts.
 * ``stable/routing/coverage/<count>`` (replaying passes only: R3, and R2's update): the replay coverage of the
   micro-batch in (token, MoE layer) rows, :data:`~verl_stable.monitor.routing_metrics.COVERAGE_COUNTS` (classes
-  in :mod:`verl_stable.integration.replay_pass`), counted on the whole micro-batch before any Ulysses slicing.
-* ``stable/routing/transport/<count>`` for :data:`~verl_stable.integration.rollout.SIDE_READ_COUNTS` (batches
+  in :mod:`verl_stable.routing.replay_pass`), counted on the whole micro-batch before any Ulysses slicing.
+* ``stable/routing/transport/<count>`` for :data:`~verl_stable.transport.side_rows.SIDE_READ_COUNTS` (batches
   carrying the rollout's compact routing): the rank's TransferQueue reads of shared prompt rows since its last
   update mini-step (so including its ``compute_log_prob``), on the first micro-batch of each update mini-step;
   ``stable/routing/transport/side_reads_per_rank`` the same read count averaged over ranks. verl reduces metrics over
@@ -63,7 +63,7 @@ the ``stable/routing/coverage/*`` fractions from those totals. The side-read cou
 This module owns :class:`RouterReplayMixin`, the state machine driven by verl's engine hooks (``initialize``,
 ``disable_adapter``, ``forward_backward_batch``, ``prepare_model_inputs`` / ``prepare_model_outputs``,
 ``forward_step``) and the alignment of routing rows to this rank's model input. The per-pass decision and sessions
-are :mod:`verl_stable.integration.replay_pass`; building the engine class and registering it in verl is
+are :mod:`verl_stable.routing.replay_pass`; building the engine class and registering it in verl is
 :mod:`verl_stable.integration.fsdp_engine`.
 """
 
@@ -80,7 +80,12 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.metric import AggregationType, Metric
 
 from verl_stable.integration.losses import relabel_stable_metrics
-from verl_stable.integration.replay_pass import (
+from verl_stable.monitor.routing_metrics import COVERAGE
+from verl_stable.routing import alignment
+from verl_stable.routing.checks import check_id_range
+from verl_stable.routing.disagreement import expert_sets_differ
+from verl_stable.routing.families import ModelRouting, UnsupportedModelError, bind_model
+from verl_stable.routing.replay_pass import (
     METRIC_PREFIX,
     MODES,
     ROUTED_EXPERTS,
@@ -95,19 +100,11 @@ from verl_stable.integration.replay_pass import (
     routed_rows,
     token_roles,
 )
-from verl_stable.integration.rollout import (
-    TRANSPORT_METRIC_PREFIX,
-    SharedRowReader,
-    expand_compact_routing,
-    without_compact_fields,
-)
-from verl_stable.monitor.routing_metrics import COVERAGE
-from verl_stable.routing import alignment
-from verl_stable.routing.checks import check_id_range
-from verl_stable.routing.disagreement import expert_sets_differ
-from verl_stable.routing.families import ModelRouting, UnsupportedModelError, bind_model
 from verl_stable.routing.trace import MISSING
-from verl_stable.routing.transport import IDS_FIELD
+from verl_stable.transport.boundary import TRANSPORT_METRIC_PREFIX
+from verl_stable.transport.expansion import expand_compact_routing, without_compact_fields
+from verl_stable.transport.fields import IDS_FIELD
+from verl_stable.transport.side_rows import SharedRowReader
 
 logger = logging.getLogger("verl_stable")
 

@@ -26,14 +26,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from verl_stable.integration.import_hooks import when_imported
+from verl_stable.compat.import_hooks import when_imported
 
 logger = logging.getLogger("verl_stable")
 
 # (step name, module). Each module exposes ``register() -> list[str]`` returning what it registered;
 # ``register`` must be idempotent because several import paths can reach it in one process. A step that must wait
 # until verl imports a heavy module (the trainers, the FSDP engine) defers through
-# ``verl_stable.integration.import_hooks.when_imported`` and returns what it will register on that import.
+# ``verl_stable.compat.import_hooks.when_imported`` and returns what it will register on that import.
 REGISTRATION_STEPS: tuple[tuple[str, str], ...] = (
     ("cpu_runtime", "verl_stable.cpu.runtime"),
     ("losses", "verl_stable.integration.losses"),

@@ -8,11 +8,11 @@ one monitored trainer per built-in mode, so a recipe opts in with a single key::
 
 It owns the trainer side: :class:`StabilityMonitorMixin` (verl's hooks, the fetch from TransferQueue, the tap on the
 update output, the guard's exit path) and the registration of the classes. What the monitor computes per step, and
-the ``stable`` config block, live in :mod:`verl_stable.integration.step_monitor` (re-exported here).
+the ``stable`` config block, live in :mod:`verl_stable.monitor.step` (re-exported here).
 
 Each class is ``StabilityMonitorMixin`` + verl's own trainer for that mode, built and registered when verl first
 imports ``verl.trainer.ppo.v1`` (in the task runner, through
-:func:`~verl_stable.integration.import_hooks.when_imported`), so the plugin does not import verl's trainer stack and
+:func:`~verl_stable.compat.import_hooks.when_imported`), so the plugin does not import verl's trainer stack and
 engines in every process. Everywhere verl branches on ``self.trainer_mode`` (replay buffer kind, checkpointing of
 TransferQueue state, refill policy), the class answers the base mode (``sync`` ...), and reads its per-mode options
 from ``trainer.v1.<base mode>``; the registered name only selects the class.
@@ -27,7 +27,7 @@ logged, the training loop ends at its loop condition (no further step, no furthe
 and ``fit`` raises :class:`~verl_stable.monitor.guard.GuardTripped` -- so ``TaskRunnerV1.run`` closes tracking with
 exit code 1 and TransferQueue, and ``main_ppo`` exits non-zero with the verdict as the error message.
 ``PPOTrainer._update_actor`` is tapped for verl's unreduced per-mini-step metrics
-(:func:`~verl_stable.integration.step_monitor.per_update_metrics`).
+(:func:`~verl_stable.monitor.step.per_update_metrics`).
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ from typing import Any
 
 import numpy as np
 
-from verl_stable.integration.import_hooks import when_imported
-from verl_stable.integration.step_monitor import (
+from verl_stable.compat.import_hooks import when_imported
+from verl_stable.monitor.guard import GuardTripped, Verdict, last_good_checkpoint_step
+from verl_stable.monitor.step import (
     CONFIG_KEY,
     PER_UPDATE_METRICS,
     ROLLOUT_ROUTING_FIELD,
@@ -55,7 +56,6 @@ from verl_stable.integration.step_monitor import (
     coverage_totals,
     per_update_metrics,
 )
-from verl_stable.monitor.guard import GuardTripped, Verdict, last_good_checkpoint_step
 
 __all__ = [
     # the per-step computation, importable from here as before the split
@@ -240,7 +240,7 @@ class StabilityMonitorMixin:
         ``None`` when verl's own agent-loop manager runs (TransferQueue then holds verl's ``routed_experts``).
         """
         if not hasattr(self, "_stable_layout"):
-            from verl_stable.integration.rollout import uses_compact_routing
+            from verl_stable.transport.options import uses_compact_routing
 
             layout = None
             if uses_compact_routing(self.config):
@@ -259,19 +259,16 @@ class StabilityMonitorMixin:
     def _stable_fetch(self, batch, step: int, monitor: StepMonitor) -> tuple[MonitorBatch, dict[str, float]]:
         """The step's monitor inputs and, with the compact transport, its transport metrics: one TransferQueue read.
 
-        The per-sample boundary counters (:data:`~verl_stable.integration.rollout.BOUNDARY_FIELD`) come with the
+        The per-sample boundary counters (:data:`~verl_stable.transport.boundary.BOUNDARY_FIELD`) come with the
         token fields; a batch without them (routing export off) is read again without, and has no transport metrics.
         """
         import transfer_queue as tq
 
-        from verl_stable.integration.rollout import (
-            BOUNDARY_FIELD,
-            PROMPT_REF_FIELD,
-            RolloutRoutingOptions,
-            expand_compact_routing,
-            transport_metrics,
-        )
-        from verl_stable.routing.transport import IDS_FIELD, SPAN_FIELD
+        from verl_stable.transport.boundary import BOUNDARY_FIELD, transport_metrics
+        from verl_stable.transport.expansion import expand_compact_routing
+        from verl_stable.transport.fields import IDS_FIELD, SPAN_FIELD
+        from verl_stable.transport.options import RolloutRoutingOptions
+        from verl_stable.transport.sharing import PROMPT_REF_FIELD
 
         select = list(TOKEN_FIELDS)
         train_field = monitor.config.monitor.train_routing_field
@@ -310,7 +307,8 @@ class StabilityMonitorMixin:
         """
         if self._stable_compact_layout() is None:
             return
-        from verl_stable.integration.rollout import RolloutRoutingOptions, clear_stale_prompt_rows
+        from verl_stable.transport.options import RolloutRoutingOptions
+        from verl_stable.transport.side_rows import clear_stale_prompt_rows
 
         if RolloutRoutingOptions.from_config(self.config).share_prompt_rows:
             clear_stale_prompt_rows()
@@ -409,7 +407,7 @@ class StabilityMonitorMixin:
 
         verl's replay buffer lists samples in put order, i.e. as they finished; the order decides the mini-batches and
         every summation order, so runs would differ. The compact-routing manager records the dispatch order
-        (:class:`~verl_stable.integration.rollout.seeding.DispatchLedger`), so its workers put samples as they finish
+        (:class:`~verl_stable.transport.seeding.DispatchLedger`), so its workers put samples as they finish
         and the order is restored here. With another manager the batch stays as verl sampled it.
         """
         ledger = getattr(getattr(self, "agent_loop_manager", None), "stable_dispatch", None)

@@ -24,9 +24,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from verl_stable.argtypes import non_negative_float, positive_int, positive_seconds, resolve_path
-from verl_stable.cpu.launch import ENGINES
 from verl_stable.lab.presets import MAX_SEED
 from verl_stable.lab.variants import PRECISIONS
+from verl_stable.toy.launch import ENGINES
 
 
 def _seed(text: str) -> int:

@@ -28,8 +28,8 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from verl_stable.cpu import tasks
-from verl_stable.cpu.assets import EOS, Assets, AssetSpec
+from verl_stable.toy import tasks
+from verl_stable.toy.assets import EOS, Assets, AssetSpec
 
 COLDSTART_VERSION = 1
 MARKER = "coldstart.json"

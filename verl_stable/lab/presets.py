@@ -48,7 +48,7 @@ class Preset:
         seeds: seeds per (variant, N).
         mini_batch_prompts: prompts per mini-batch; a step has N mini-batches.
         group_size: samples per prompt.
-        task: toy task of :mod:`verl_stable.cpu.tasks`.
+        task: toy task of :mod:`verl_stable.toy.tasks`.
         precision: rollout precision (the training engine is fp32; default: the lab's measured setting, int4): fp8,
             fp8_w8a8, int4, bf16, fp16, fp32 for the ``hf``
             backend, fp32 / bf16 for ``vllm``.
@@ -57,7 +57,7 @@ class Preset:
         engine: rollout engine, ``hf`` (the project's backend) or ``vllm`` (verl's vLLM rollout on vLLM's CPU build).
         top_k: experts per token of the tiny MoE (its ``num_experts_per_tok``; 16 experts).
         router_noise: sigma of the ``hf`` rollout's inference-only router perturbation (0: off); a labelled stand-in
-            for a large MoE's routing mismatch (:func:`verl_stable.cpu.precision.router_perturbation`).
+            for a large MoE's routing mismatch (:func:`verl_stable.backends.hf.precision.router_perturbation`).
     """
 
     name: str
@@ -100,7 +100,7 @@ class Preset:
             )
         if self.router_noise and self.engine != "hf":
             raise ValueError(f"preset {self.name!r}: router_noise is an hf-backend option, engine is {self.engine!r}")
-        from verl_stable.cpu import launch
+        from verl_stable.toy import launch
 
         launch.engine_overrides(self.engine, self.precision, True)  # ValueError: unknown engine, precision it lacks
 

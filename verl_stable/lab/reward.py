@@ -1,6 +1,6 @@
 """The lab's reward: exact match, binary.
 
-``1.0`` when the whole response is exactly the answer digit (:func:`verl_stable.cpu.tasks.score` gives it full credit),
+``1.0`` when the whole response is exactly the answer digit (:func:`verl_stable.toy.tasks.score` gives it full credit),
 ``0.0`` otherwise -- no partial or format credit, as the lab's verifiable task asks. Used as verl's
 ``reward.custom_reward_function.path`` with ``name=compute_score``; verl loads this file by path, so it only imports
 installed modules.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from verl_stable.cpu import tasks
+from verl_stable.toy import tasks
 
 
 def exact_match(response: str, answer: str) -> float:

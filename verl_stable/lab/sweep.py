@@ -1,8 +1,8 @@
 """The lab's sweep: one run of verl's own trainer (``main_ppo`` on the CPU runtime) per (variant, N, seed).
 
-The sweep only orchestrates the runs of a preset (:mod:`verl_stable.lab.presets`): it builds the tiny assets (:mod:`verl_stable.cpu.assets`), cold-starts the model
+The sweep only orchestrates the runs of a preset (:mod:`verl_stable.lab.presets`): it builds the tiny assets (:mod:`verl_stable.toy.assets`), cold-starts the model
 (:mod:`verl_stable.lab.coldstart`, cached), composes each run's overrides (:func:`verl_stable.lab.variants
-.run_overrides`), runs :func:`verl_stable.cpu.launch.run_main_ppo` and collects the per-step metrics verl's file
+.run_overrides`), runs :func:`verl_stable.toy.launch.run_main_ppo` and collects the per-step metrics verl's file
 logger wrote. Every loss, estimator, replay and monitor value comes from verl + verl-stable inside that process.
 
 Layout of the output directory::
@@ -18,7 +18,7 @@ A run is complete when its ``done.json`` records the same overrides and its metr
 skipped, so an interrupted sweep resumes where it stopped (an incomplete run starts over).
 
 Nothing measured is ever deleted or truncated: a run that starts over first moves its earlier attempt's files aside
-(``superseded/``, :func:`verl_stable.cpu.trainer_process.set_aside`, as ``verl-stable run`` does), and
+(``superseded/``, :func:`verl_stable.toy.trainer_process.set_aside`, as ``verl-stable run`` does), and
 ``out/metrics.jsonl`` is rewritten atomically (a temporary file renamed over it) as the rows it held merged with the
 sweep's: a run measured again replaces its own rows, every other run's rows stay (:mod:`verl_stable.lab.results`;
 sweeps sharing ``out`` take turns through a file lock). A sweep is checked before any work starts: an ``only`` prefix
@@ -52,13 +52,13 @@ from pathlib import Path
 from typing import Any
 
 from verl_stable.argtypes import resolve_path
-from verl_stable.cpu.assets import Assets, ensure_assets
-from verl_stable.cpu.trainer_process import set_aside
 from verl_stable.lab import variants as V
 from verl_stable.lab.coldstart import ColdStartResult, cold_start
 from verl_stable.lab.presets import MAX_SEED, PRESETS, Preset, RunSpec
 from verl_stable.lab.progress import ProgressBar
 from verl_stable.lab.results import RunOutcome, coldstart_line, load_rows, merge_rows, tag_rows
+from verl_stable.toy.assets import Assets, ensure_assets
+from verl_stable.toy.trainer_process import set_aside
 
 __all__ = [
     "MAX_SEED",
@@ -89,7 +89,7 @@ def overrides_digest(overrides: Sequence[str]) -> str:
 
 def is_complete(run_dir: Path, overrides: Sequence[str], steps: int) -> bool:
     """Whether ``run_dir`` holds a finished run of exactly these overrides with ``steps`` metric rows."""
-    from verl_stable.cpu.launch import read_metrics
+    from verl_stable.toy.launch import read_metrics
 
     done, metrics = run_dir / "done.json", run_dir / "metrics.jsonl"
     if not (done.exists() and metrics.exists()):
@@ -126,7 +126,7 @@ def run_one(
     Returns:
         ``(returncode, skipped)``.
     """
-    from verl_stable.cpu.launch import run_main_ppo
+    from verl_stable.toy.launch import run_main_ppo
 
     run_dir.mkdir(parents=True, exist_ok=True)
     if is_complete(run_dir, overrides, steps):
@@ -271,7 +271,7 @@ def forced_start_failures() -> tuple[str, ...]:
 
 def prepare(out: Path, preset: Preset) -> tuple[Assets, ColdStartResult]:
     """Tiny assets for the preset's task and the cold-started model (both cached under ``out``)."""
-    from verl_stable.cpu.launch import asset_spec
+    from verl_stable.toy.launch import asset_spec
 
     spec = replace(asset_spec(preset.engine, preset.task), num_experts_per_tok=preset.top_k)
     # each engine's model has its own shape (vLLM's CPU attention needs head size 32), and each top-k its own routers:
@@ -381,7 +381,7 @@ def run_sweep(
         force_start_failure: test-only, run-name prefixes whose first attempt is made to fail in Ray's start-up
             (:data:`FORCED_START_FAILURE`); None reads :data:`FORCE_START_FAILURE_ENV`.
     """
-    from verl_stable.cpu.launch import read_metrics
+    from verl_stable.toy.launch import read_metrics
 
     jobs = default_jobs() if jobs is None else jobs
     # refused here, before the assets and the cold start (tens of seconds) are built

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from verl_stable import recipes
-from verl_stable.cpu import launch
-from verl_stable.cpu.hf_options import PRECISIONS
+from verl_stable.backends.hf.options import PRECISIONS
+from verl_stable.toy import launch
 
 ROUTER_REPLAY = "actor_rollout_ref.actor.fsdp_config.router_replay.mode"
 ROLLOUT_ROUTING = "actor_rollout_ref.rollout.enable_rollout_routing_replay"

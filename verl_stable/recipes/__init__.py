@@ -11,7 +11,7 @@ package has three parts, each importable on its own:
   (unknown keys, verl-stable's option sections, paths hydra cannot carry, verl's own conversion; :func:`preflight`).
 
 Every public name of the three is importable from here. What sits above this package uses it: the CPU launcher runs a
-regime on the CPU runtime (:func:`verl_stable.cpu.launch.regime_overrides`, :func:`verl_stable.cpu.launch.run_recipe`)
+regime on the CPU runtime (:func:`verl_stable.toy.launch.regime_overrides`, :func:`verl_stable.toy.launch.run_recipe`)
 and the ``verl-stable recipe`` command is :mod:`verl_stable.recipe_cli` (``python -m verl_stable.recipes`` runs it).
 """
 

@@ -13,7 +13,7 @@ make) run only after Ray and its workers have started. Everything here runs befo
 * :func:`preflight`: all of them, in order, on a ``main_ppo`` argument list.
 
 Each refusal is a ``ValueError`` whose message names what was expected. The option schemas are imported from the
-modules that read them (:mod:`verl_stable.integration.rollout`, :mod:`verl_stable.cpu.hf_options`) only when a check
+modules that read them (:mod:`verl_stable.integration.rollout`, :mod:`verl_stable.backends.hf.options`) only when a check
 needs them.
 """
 
@@ -65,9 +65,9 @@ def _section_fields(section: str) -> frozenset[str]:
 
     # imported when asked: the option schemas live with the code that reads them (hf_options is a leaf module)
     if section == HF_OPTIONS_SECTION:
-        from verl_stable.cpu.hf_options import HFOptions as options
+        from verl_stable.backends.hf.options import HFOptions as options
     else:
-        from verl_stable.integration.rollout import RolloutRoutingOptions as options
+        from verl_stable.transport.options import RolloutRoutingOptions as options
     return frozenset(f.name for f in dataclasses.fields(options))
 
 
@@ -200,8 +200,8 @@ def option_problems(cfg: Any) -> list[str]:
     from omegaconf import OmegaConf
 
     from verl_stable.integration.losses import MiniRLLossConfig, VespoLossConfig, section_from_mapping
-    from verl_stable.integration.rollout import RolloutRoutingOptions
-    from verl_stable.integration.step_monitor import StableConfig
+    from verl_stable.monitor.step import StableConfig
+    from verl_stable.transport.options import RolloutRoutingOptions
 
     problems = []
     # the schema's readers, exactly as the runtime calls them (verl_configs converts them again, inside verl's
@@ -244,7 +244,7 @@ def option_problems(cfg: Any) -> list[str]:
         except (ValueError, TypeError) as exc:
             problems.append(f"actor.clip_ratio_low / clip_ratio_high (the trust region): {exc}")
     if config_value(cfg, "actor_rollout_ref.rollout.name") == "hf":
-        from verl_stable.cpu.hf_options import resolve_options
+        from verl_stable.backends.hf.options import resolve_options
 
         rollout = OmegaConf.to_container(cfg.actor_rollout_ref.rollout, resolve=True)
         try:
@@ -252,7 +252,7 @@ def option_problems(cfg: Any) -> list[str]:
         except (ValueError, TypeError) as exc:
             problems.append(f"hf rollout backend: {exc}")
     if config_value(cfg, "actor_rollout_ref.rollout.name") == "vllm":
-        from verl_stable.cpu.vllm_rollout import VllmCpuError, routing_fault_every
+        from verl_stable.backends.vllm_cpu.rollout import VllmCpuError, routing_fault_every
 
         try:
             routing_fault_every(OmegaConf.to_container(cfg.actor_rollout_ref.rollout, resolve=True))

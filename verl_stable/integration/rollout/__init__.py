@@ -1,23 +1,9 @@
-"""Rollout side of R3 in verl: validated, compact routing from the inference server to the actors.
+"""The agent-loop extension point of R3: verl's agent-loop manager, worker and output subclasses.
 
-The agent-loop manager :class:`CompactRoutingAgentLoopManagerTQ`, selected with
-``+actor_rollout_ref.rollout.agent.agent_loop_manager_class=verl_stable.integration.rollout.CompactRoutingAgentLoopManagerTQ``,
-starts agent-loop workers that validate each sample's routing at the boundary, store only its MoE layers in the
-smallest unsigned dtype (prompt rows once per group) with the sample's boundary counters, and the actors rebuild
-verl's form from them. One module per concern; every name is importable from this package, which is the API:
-
-* :mod:`.config`: the manager's dotted path, :func:`uses_compact_routing` and the ``verl_stable.routing`` options
-  (:class:`RolloutRoutingOptions`, unknown keys refused);
-* :mod:`.boundary`: validating and compacting one sample's routing, its counters and the
-  ``stable/routing/transport/*`` metrics, the fixed SGLang reader;
-* :mod:`.sharing`: the prompt-rows-once-per-group protocol (keys, references, the side partition, re-attaching on
-  the actor, clearing);
-* :mod:`.actor`: a batch's compact fields back to a :class:`~verl_stable.routing.trace.RoutingTrace` or to verl's
-  ``routed_experts``;
-* :mod:`.seeding`: each sample's sampling seed from its identity (run seed, step, prompt, index in its group), so
-  that what is sampled does not depend on batching or arrival order;
-* :mod:`.agent_loop`: verl's agent-loop output, worker and manager subclasses and
-  :func:`compact_agent_loop_output`.
+The manager :class:`CompactRoutingAgentLoopManagerTQ` is selected with
+``+actor_rollout_ref.rollout.agent.agent_loop_manager_class=verl_stable.integration.rollout.CompactRoutingAgentLoopManagerTQ``.
+Its workers hand each sample's routing to :mod:`verl_stable.transport` (validate, compact, share prompt rows, seed)
+and put the result in TransferQueue; the actors read it back through :mod:`verl_stable.transport.expansion`.
 
 verl imports this package (the plugin calls :func:`register`) in every process it starts, so importing it stays
 light: :mod:`.agent_loop`, which imports verl's agent loop, TransferQueue and Ray, is imported only when one of its
@@ -29,95 +15,14 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from verl_stable.integration.rollout.actor import (
-    COMPACT_FIELDS,
-    expand_compact_routing,
-    routing_trace_from_batch,
-    without_compact_fields,
-)
-from verl_stable.integration.rollout.boundary import (
-    BOUNDARY_COLUMNS,
-    BOUNDARY_ERRORS,
-    BOUNDARY_FIELD,
-    TRANSPORT_METRIC_PREFIX,
-    boundary_counters,
-    compact_token_routing,
-    fetch_transport_metrics,
-    generated_extent,
-    read_sglang_routed_experts,
-    transport_metrics,
-)
-from verl_stable.integration.rollout.config import (
-    DEFAULT_SHARE_MIN_BYTES,
-    MANAGER_CONFIG_KEY,
-    MANAGER_FQN,
-    RolloutRoutingOptions,
-    uses_compact_routing,
-)
-from verl_stable.integration.rollout.sharing import (
-    PROMPT_PARTITION,
-    PROMPT_REF_FIELD,
-    SIDE_READ_COUNTS,
-    SOURCE_PARTITIONS,
-    PromptRowSharing,
-    ShareDecision,
-    SharedPrompt,
-    SharedPromptRowsError,
-    SharedRowReader,
-    StaleSweep,
-    async_clear_stale_prompt_rows,
-    attach_shared_prompt_rows,
-    clear_stale_prompt_rows,
-    key_of_ref,
-    prompt_ref,
-    prompt_rows_key,
-    shared_sample_fields,
-    stale_prompt_entries,
-)
+from verl_stable.transport.options import MANAGER_FQN
 
 __all__ = [  # noqa: F822 - the names of _LAZY are resolved by the module __getattr__
-    "BOUNDARY_COLUMNS",
-    "BOUNDARY_ERRORS",
-    "BOUNDARY_FIELD",
-    "COMPACT_FIELDS",
-    "DEFAULT_SHARE_MIN_BYTES",
-    "MANAGER_CONFIG_KEY",
-    "MANAGER_FQN",
-    "PROMPT_PARTITION",
-    "PROMPT_REF_FIELD",
-    "SIDE_READ_COUNTS",
-    "SOURCE_PARTITIONS",
-    "TRANSPORT_METRIC_PREFIX",
     "CompactRoutingAgentLoopManagerTQ",
     "CompactRoutingAgentLoopOutput",
     "CompactRoutingAgentLoopWorkerTQ",
-    "PromptRowSharing",
-    "RolloutRoutingOptions",
-    "ShareDecision",
-    "SharedPrompt",
-    "SharedPromptRowsError",
-    "SharedRowReader",
-    "StaleSweep",
-    "async_clear_stale_prompt_rows",
-    "attach_shared_prompt_rows",
-    "boundary_counters",
-    "clear_stale_prompt_rows",
     "compact_agent_loop_output",
-    "compact_token_routing",
-    "expand_compact_routing",
-    "fetch_transport_metrics",
-    "generated_extent",
-    "key_of_ref",
-    "prompt_ref",
-    "prompt_rows_key",
-    "read_sglang_routed_experts",
     "register",
-    "routing_trace_from_batch",
-    "shared_sample_fields",
-    "stale_prompt_entries",
-    "transport_metrics",
-    "uses_compact_routing",
-    "without_compact_fields",
 ]
 
 _LAZY = {

@@ -29,14 +29,18 @@ from pydantic import ConfigDict
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
 
-from verl_stable.integration.rollout.boundary import (
+from verl_stable.routing.codecs import BoundaryStats
+from verl_stable.routing.families import layout_from_config
+from verl_stable.routing.trace import RoutingLayout
+from verl_stable.transport.boundary import (
     BOUNDARY_FIELD,
     boundary_counters,
     compact_token_routing,
     merge_stats,
 )
-from verl_stable.integration.rollout.config import DEFAULT_OPTIONS, RolloutRoutingOptions
-from verl_stable.integration.rollout.seeding import (
+from verl_stable.transport.fields import IDS_FIELD, sample_fields
+from verl_stable.transport.options import DEFAULT_OPTIONS, RolloutRoutingOptions
+from verl_stable.transport.seeding import (
     PROMPT_IDENTITY_FIELDS,
     DispatchLedger,
     DispatchTurns,
@@ -45,20 +49,15 @@ from verl_stable.integration.rollout.seeding import (
     RolloutSeeding,
     prompt_content_key,
 )
-from verl_stable.integration.rollout.sharing import (
+from verl_stable.transport.sharing import (
     PROMPT_PARTITION,
     PROMPT_REF_FIELD,
     PromptRowSharing,
     SharedPromptRowsError,
-    StaleSweep,
-    async_clear_stale_prompt_rows,
     key_of_ref,
     shared_sample_fields,
 )
-from verl_stable.routing.codecs import BoundaryStats
-from verl_stable.routing.families import layout_from_config
-from verl_stable.routing.trace import RoutingLayout
-from verl_stable.routing.transport import IDS_FIELD, sample_fields
+from verl_stable.transport.side_rows import StaleSweep, async_clear_stale_prompt_rows
 
 __all__ = [
     "CompactRoutingAgentLoopManagerTQ",

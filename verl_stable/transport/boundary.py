@@ -13,8 +13,8 @@ verl 0.9.1 path (V1 trainer, the default): the server returns ``TokenOutput.rout
    ``rollout.response_length`` (a multi-turn conversation whose last turn crossed it: verl does not cap a turn at the
    remaining budget) carries one row more, that of its last kept token, which fed only the cut token: it is validated
    with the rest, then trimmed and counted (``trimmed_rows``). The compact result (MoE layers only, smallest unsigned
-   dtype, no padding) travels as :data:`~verl_stable.routing.transport.IDS_FIELD` /
-   :data:`~verl_stable.routing.transport.SPAN_FIELD`;
+   dtype, no padding) travels as :data:`~verl_stable.transport.fields.IDS_FIELD` /
+   :data:`~verl_stable.transport.fields.SPAN_FIELD`;
 2. the sample's boundary counters (:data:`BOUNDARY_FIELD`, :func:`boundary_counters`: tokens, validated rows,
    refusal and its class, bytes moved and what verl would have moved, rows trimmed). verl's V1 trainer logs nothing
    from the agent loop (the manager's ``generate_sequences`` returns ``None`` and the per-sample ``metrics`` field is
@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from verl_stable.integration.rollout.config import DEFAULT_OPTIONS, RolloutRoutingOptions
 from verl_stable.routing.checks import count as checked_count
 from verl_stable.routing.codecs import (
     BoundaryStats,
@@ -56,10 +55,11 @@ from verl_stable.routing.codecs import (
     encode_vllm,
 )
 from verl_stable.routing.trace import RoutingLayout
-from verl_stable.routing.transport import IDS_FIELD
+from verl_stable.transport.fields import IDS_FIELD
+from verl_stable.transport.options import DEFAULT_OPTIONS, RolloutRoutingOptions
 
 if TYPE_CHECKING:
-    from verl_stable.integration.rollout.sharing import ShareDecision
+    from verl_stable.transport.sharing import ShareDecision
 
 __all__ = [
     "BOUNDARY_COLUMNS",

@@ -1,8 +1,8 @@
 """The vLLM worker extension that makes verl's weight sync work on vLLM's CPU build.
 
 vLLM imports this module inside its worker process (verl names the class through the server's
-``worker_extension_cls``, see :mod:`verl_stable.cpu.vllm_rollout`), so importing it imports vLLM and verl's vLLM
-utilities; only :mod:`verl_stable.cpu.vllm_probe` imports it outside vLLM (its reload check runs the same code).
+``worker_extension_cls``, see :mod:`verl_stable.backends.vllm_cpu.rollout`), so importing it imports vLLM and verl's vLLM
+utilities; only :mod:`verl_stable.backends.vllm_cpu.probe` imports it outside vLLM (its reload check runs the same code).
 
 Why the extension: vLLM's CPU build repacks linear and MoE expert weights into kernel layouts once after loading, so
 the parameters of a running engine no longer carry the ``weight_loader`` that verl's ``model.load_weights`` relies on
@@ -32,7 +32,7 @@ names only when it reads or writes a checkpoint. verl 0.9.1 streams the live mod
 and ``convert_weight_keys`` does nothing (transformers 5 models have no ``_checkpoint_conversion_mapping``). vLLM
 0.30's Mixtral maps ``gate_proj``/``up_proj``/``down_proj`` to its ``w1``/``w3``/``w2`` but not ``mlp`` to
 ``block_sparse_moe``, so the first bucket fails: "There is no module or parameter named 'layers.0.mlp' in
-MixtralModel" (measured: ``python -m verl_stable.cpu.vllm_probe --family mixtral --reload`` without the mapping).
+MixtralModel" (measured: ``python -m verl_stable.backends.vllm_cpu.probe --family mixtral --reload`` without the mapping).
 Where the served model has ``block_sparse_moe`` blocks and no ``mlp`` ones, the extension renames the layer's ``mlp``
 to ``block_sparse_moe`` before vLLM loads the weights; for every other model the names pass unchanged.
 """

@@ -3,18 +3,18 @@
 Three pieces, each where verl looks for it:
 
 * :class:`HFReplica` -- ``RolloutReplicaRegistry.register("hf", ...)``; built in the task runner, it launches one
-  :class:`~verl_stable.cpu.hf_server.HFRolloutServer` Ray actor per replica, named ``hf_server_{replica_rank}_0`` like
+  :class:`~verl_stable.backends.hf.server.HFRolloutServer` Ray actor per replica, named ``hf_server_{replica_rank}_0`` like
   vLLM's servers, on the node of the replica's actor rank.
-* :class:`~verl_stable.cpu.hf_server.HFRolloutServer` -- the server actor (:mod:`verl_stable.cpu.hf_server`).
+* :class:`~verl_stable.backends.hf.server.HFRolloutServer` -- the server actor (:mod:`verl_stable.backends.hf.server`).
 * :class:`HFServerAdapter` -- the worker-side ``BaseRollout`` in ``_ROLLOUT_REGISTRY[("hf", "async")]``
   (:data:`ADAPTER_FQN`, imported by name in every worker). verl's weight sync hands it a generator of full tensors
   (every rank must drain it: gathering a DTensor is a collective); rollout rank 0 streams them in buckets to the
-  server actor found by name, which writes them into its model (:mod:`verl_stable.cpu.hf_weights`).
+  server actor found by name, which writes them into its model (:mod:`verl_stable.backends.hf.weights`).
 
 This module owns the two verl subclasses (built lazily: verl's base classes are imported only when asked for), the
 registration (:func:`register`) and the verl interfaces the backend relies on (:data:`CONTRACTS`). Backend options
-live in ``actor_rollout_ref.rollout.engine_kwargs.hf`` (:mod:`verl_stable.cpu.hf_options`); the routing export is
-:mod:`verl_stable.cpu.hf_routing`. Their public names (``HFOptions``, ``resolve_options``, ``HFRolloutServer``,
+live in ``actor_rollout_ref.rollout.engine_kwargs.hf`` (:mod:`verl_stable.backends.hf.options`); the routing export is
+:mod:`verl_stable.backends.hf.routing`. Their public names (``HFOptions``, ``resolve_options``, ``HFRolloutServer``,
 ``WeightLoader``, ``routing_exporter`` ...) stay importable from here.
 """
 
@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 
-from verl_stable.cpu import contracts
-from verl_stable.cpu.contracts import Contract, ContractError, ContractResult
-from verl_stable.cpu.hf_options import BACKEND, HFOptions, resolve_options
-from verl_stable.cpu.hf_routing import RouterIdsRecorder, RoutingExporter, routed_experts_array, routing_exporter
-from verl_stable.cpu.hf_server import SERVER_NAME_PREFIX, HFRolloutServer, server_actor_name
-from verl_stable.cpu.hf_weights import EXPERT_NAME_RE, WeightLoader
+from verl_stable.backends.hf.options import BACKEND, HFOptions, resolve_options
+from verl_stable.backends.hf.routing import RouterIdsRecorder, RoutingExporter, routed_experts_array, routing_exporter
+from verl_stable.backends.hf.server import SERVER_NAME_PREFIX, HFRolloutServer, server_actor_name
+from verl_stable.backends.hf.weights import EXPERT_NAME_RE, WeightLoader
+from verl_stable.compat import contracts
+from verl_stable.compat.contracts import Contract, ContractError, ContractResult
 
 __all__ = [
     "ADAPTER_FQN",
@@ -54,7 +54,7 @@ __all__ = [
     "server_methods_called",
 ]
 
-ADAPTER_FQN = "verl_stable.cpu.hf_rollout.HFServerAdapter"
+ADAPTER_FQN = "verl_stable.backends.hf.rollout.HFServerAdapter"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -299,7 +299,7 @@ def register() -> list[str]:
     """Register backend ``hf`` with verl's replica registry and worker rollout table (idempotent).
 
     Raises:
-        verl_stable.cpu.contracts.ContractError: verl's rollout tables are not the ones this backend registers into.
+        verl_stable.compat.contracts.ContractError: verl's rollout tables are not the ones this backend registers into.
     """
     from verl.workers.rollout import base as rollout_base
     from verl.workers.rollout.replica import RolloutReplicaRegistry

@@ -4,16 +4,16 @@ The schema (:class:`HFOptions`) and its reader (:func:`resolve_options`) are all
 backend, so they live apart from the server and the replica: :mod:`verl_stable.recipes` checks a composed config with
 them before any run starts, without importing torch or verl's rollout classes.
 
-Options: ``precision`` (fp32 | bf16 | fp16 | fp8 | fp8_w8a8 | int4, see :mod:`verl_stable.cpu.precision`; default
+Options: ``precision`` (fp32 | bf16 | fp16 | fp8 | fp8_w8a8 | int4, see :mod:`verl_stable.backends.hf.precision`; default
 from ``rollout.dtype``, or fp8 when ``rollout.quantization=fp8``), ``router_noise`` (default 0: off; sigma of the
-fixed inference-only router-weight perturbation of :func:`verl_stable.cpu.precision.router_perturbation`, a stand-in
+fixed inference-only router-weight perturbation of :func:`verl_stable.backends.hf.precision.router_perturbation`, a stand-in
 for a large MoE's routing mismatch, not a numeric format), ``sync_weights`` (default true; false keeps the rollout at its initial weights -- a
 deliberate-drift control), ``num_threads`` (torch threads in the server, default: torch's), ``max_batch_size``
 (default 64: concurrent requests with prompts of one length are sampled as one batch, see
-:mod:`verl_stable.cpu.batching`; 1 samples one request at a time).
+:mod:`verl_stable.backends.hf.batching`; 1 samples one request at a time).
 
 Fault injection, for tests only: ``corrupt_routing_every`` (default 0, off) makes every k-th request's exported
-routing malformed (expert ids out of range, see :func:`verl_stable.cpu.hf_routing.corrupt_routing_payload`), as
+routing malformed (expert ids out of range, see :func:`verl_stable.backends.hf.routing.corrupt_routing_payload`), as
 an engine that silently loses routing would; the rollout boundary then refuses it, or skips that sample's routing
 under ``+verl_stable.routing.on_invalid=skip_sample``, and replay falls back to the model's own routing there.
 """
@@ -56,7 +56,7 @@ def resolve_options(config: Any) -> HFOptions:
             ``ValueError``) for unknown option names or values of the wrong type or out of range, naming the key.
     """
     # precision.py imports torch at module level; a config check should not pay for it unless a precision is named
-    from verl_stable.cpu.precision import canonical_precision
+    from verl_stable.backends.hf.precision import canonical_precision
 
     engine_kwargs = _get(config, "engine_kwargs", None) or {}
     options = parse(HFEngineOptions, _get(engine_kwargs, BACKEND, None), SECTION)

@@ -2,7 +2,7 @@
 
 Run as a program (vLLM starts engine processes with ``spawn``, so it must own ``__main__``)::
 
-    python -m verl_stable.cpu.vllm_probe --family qwen3_moe --dtype float32 [--reload] [--no-kernel-reset]
+    python -m verl_stable.backends.vllm_cpu.probe --family qwen3_moe --dtype float32 [--reload] [--no-kernel-reset]
 
 It builds a tiny random MoE of that family (head size 32: vLLM's CPU attention refuses 16), samples a few
 completions with ``enable_return_routed_experts``, decodes each completion's routed experts with the project's own
@@ -12,7 +12,7 @@ the ids of a row). It also compares vLLM's sampled-token log-probs with the tran
 object.
 
 ``--reload`` starts vLLM on dummy weights and then loads the checkpoint through the same layerwise reload that verl's
-weight sync uses on CPU (:func:`verl_stable.cpu.vllm_worker.reload_layerwise`), in two buckets, as verl's bucketed
+weight sync uses on CPU (:func:`verl_stable.backends.vllm_cpu.worker.reload_layerwise`), in two buckets, as verl's bucketed
 transfer does: the engine must then serve exactly the checkpoint (``synced_tensors`` sent, ``renamed_names`` of them
 renamed for vLLM, e.g. Mixtral's ``mlp`` blocks). ``--no-kernel-reset`` leaves out the CPU MoE kernel rebuild, to show
 the vLLM bug it works around.
@@ -85,12 +85,12 @@ def build_model(out_dir: str | os.PathLike, family: str, seed: int = 0) -> Path:
 def _reload_from_checkpoint(worker: Any, model_dir: str, reset_kernels: bool) -> dict[str, int]:
     """Runs inside vLLM's worker (``collective_rpc``): load ``model_dir`` as verl's weight sync would send it (the live
     transformers module's names through verl's ``unfuse_moe_params``). Returns how many tensors were sent and how many
-    names the worker extension renamed for vLLM (:func:`verl_stable.cpu.vllm_worker.checkpoint_name_mapper`)."""
+    names the worker extension renamed for vLLM (:func:`verl_stable.backends.vllm_cpu.worker.checkpoint_name_mapper`)."""
     import torch
     from transformers import AutoModelForCausalLM
     from verl.workers.engine.fsdp.utils import unfuse_moe_params
 
-    from verl_stable.cpu.vllm_worker import checkpoint_name_mapper, reload_layerwise
+    from verl_stable.backends.vllm_cpu.worker import checkpoint_name_mapper, reload_layerwise
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     weights = list(unfuse_moe_params(hf.state_dict().items(), hf.config.model_type))
@@ -156,7 +156,7 @@ def probe(family: str, dtype: str = "float32", reload: bool = False, reset_kerne
             for t, token in enumerate(tokens):
                 ref = float(logp[len(prompt) - 1 + t, token])
                 max_diff = max(max_diff, abs(ref - completion.logprobs[t][token].logprob))
-    from verl_stable.cpu.vllm_rollout import installed_version
+    from verl_stable.backends.vllm_cpu.rollout import installed_version
 
     return {
         "family": family,
@@ -174,7 +174,9 @@ def probe(family: str, dtype: str = "float32", reload: bool = False, reset_kerne
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m verl_stable.cpu.vllm_probe", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m verl_stable.backends.vllm_cpu.probe", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--family", choices=FAMILIES, default="qwen3_moe")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--reload", action="store_true", help="start on dummy weights, load through the weight sync")

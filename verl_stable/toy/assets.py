@@ -4,9 +4,9 @@
   saved as a Hugging Face tokenizer directory.
 * Model: a random ``Qwen3MoeConfig`` model (default 4 layers, 16 experts, top-4) saved with ``save_pretrained``
   into the same directory (verl reads model and tokenizer from one path).
-* Data: ``train.parquet`` / ``val.parquet`` in verl's RL format (see :mod:`verl_stable.cpu.tasks`).
+* Data: ``train.parquet`` / ``val.parquet`` in verl's RL format (see :mod:`verl_stable.toy.tasks`).
 
-The CPU launcher (:mod:`verl_stable.cpu.launch`) and the lab build them here; :mod:`verl_stable.lab.assets` still offers
+The CPU launcher (:mod:`verl_stable.toy.launch`) and the lab build them here; :mod:`verl_stable.toy.assets` still offers
 every name.
 """
 
@@ -17,7 +17,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from verl_stable.cpu import tasks
+from verl_stable.toy import tasks
 
 PAD, BOS, UNK = "<pad>", "<bos>", "<unk>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"

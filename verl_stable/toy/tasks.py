@@ -11,8 +11,8 @@ Reward (:func:`compute_score`, usable as verl's ``reward.custom_reward_function.
 ``0.1`` when the first word is some other digit (format credit); ``0`` otherwise. The partial credit makes rewards
 vary within a GRPO group even for a random model, so advantages and gradients are non-zero from the first step.
 
-The CPU launcher (:mod:`verl_stable.cpu.launch`) builds its data from these tasks and points verl at this file for the
-reward; the lab uses them too (and :mod:`verl_stable.lab.tasks` still offers every name).
+The CPU launcher (:mod:`verl_stable.toy.launch`) builds its data from these tasks and points verl at this file for the
+reward; the lab uses them too (and :mod:`verl_stable.toy.tasks` still offers every name).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from verl_stable.lab import tasks
+from verl_stable.toy import tasks
 
 
 @pytest.mark.parametrize("task", tasks.TASKS)
@@ -32,27 +32,11 @@ def test_score_exact_partial_format():
         tasks.make_example("sort", random.Random(0))
 
 
-def test_lab_names_are_the_cpu_launchers():
-    """The toy tasks and tiny assets live with the CPU launcher; the lab's modules offer the same objects."""
-    from verl_stable.cpu import assets as cpu_assets
-    from verl_stable.cpu import tasks as cpu_tasks
-    from verl_stable.lab import assets as lab_assets
-
-    assert all(getattr(tasks, name) is getattr(cpu_tasks, name) for name in tasks.__all__)
-    assert all(getattr(lab_assets, name) is getattr(cpu_assets, name) for name in lab_assets.__all__)
-    public = {n for n in vars(cpu_tasks) if not n.startswith("_") and n not in ("annotations", "random")}
-    assert public - {"Any", "NamedTuple"} == set(tasks.__all__)
-
-
-@pytest.mark.parametrize("where", ["lab", "cpu"])
-def test_reward_loads_the_way_verl_loads_it(where):
-    """Both files work as ``reward.custom_reward_function.path``: the CPU launcher's and the lab's (older docs)."""
+def test_reward_loads_the_way_verl_loads_it():
+    """The toy tasks' file works as ``reward.custom_reward_function.path`` (what ``verl-stable run`` passes)."""
     from verl.utils.import_utils import load_extern_object
 
-    from verl_stable.cpu import tasks as cpu_tasks
-
-    path = {"lab": tasks.__file__, "cpu": cpu_tasks.__file__}[where]
-    fn = load_extern_object(module_path=path, object_name="compute_score")
+    fn = load_extern_object(module_path=tasks.__file__, object_name="compute_score")
     assert fn(data_source="x", solution_str="4", ground_truth="4")["score"] == 1.0
 
 
@@ -60,7 +44,7 @@ def test_assets_round_trip(tmp_path):
     import pandas as pd
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from verl_stable.lab.assets import AssetSpec, ensure_assets
+    from verl_stable.toy.assets import AssetSpec, ensure_assets
 
     spec = AssetSpec(task="add", num_train=6, num_val=2, hidden_size=32, num_hidden_layers=2, num_experts=4)
     a = ensure_assets(tmp_path, spec)

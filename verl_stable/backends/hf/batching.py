@@ -6,7 +6,7 @@ collects the requests that are waiting, groups those that can share a forward (s
 prompt length, so no padding is needed), and runs each group with one blocking call in a worker thread. Requests that
 arrive while a batch runs wait for the next one, so batches grow with the load and a lone request is not delayed by
 more than ``window_s``. Which requests share a batch depends on timing; a request with a sampling seed samples the
-same tokens in any batch (:class:`verl_stable.cpu.generation.SamplingSpec`), so timing does not change what is sampled.
+same tokens in any batch (:class:`verl_stable.backends.hf.generation.SamplingSpec`), so timing does not change what is sampled.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The actor side: a (micro-)batch's compact routing fields back to a trace or to verl's ``routed_experts``.
 
-What the agent-loop workers stored per sample (:data:`~verl_stable.routing.transport.IDS_FIELD` /
-:data:`~verl_stable.routing.transport.SPAN_FIELD`, plus a reference to its group's shared prompt rows, see
+What the agent-loop workers stored per sample (:data:`~verl_stable.transport.fields.IDS_FIELD` /
+:data:`~verl_stable.transport.fields.SPAN_FIELD`, plus a reference to its group's shared prompt rows, see
 :mod:`.sharing`) is rebuilt here, on the actor, after verl's balancing, shuffling and micro-batching:
 
 * :func:`routing_trace_from_batch`: the token-aligned :class:`~verl_stable.routing.trace.RoutingTrace`;
@@ -10,7 +10,7 @@ What the agent-loop workers stored per sample (:data:`~verl_stable.routing.trans
   transiently; transport stays compact.
 
 Both re-attach the shared prompt rows first (one TransferQueue read of the entries not already held by the rank's
-:class:`~.sharing.SharedRowReader`, or one per batch without one) and give verl's synthetic padding
+:class:`~.side_rows.SharedRowReader`, or one per batch without one) and give verl's synthetic padding
 samples no routing. No verl import.
 """
 
@@ -21,13 +21,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from verl_stable.integration.rollout.boundary import BOUNDARY_FIELD
-from verl_stable.integration.rollout.sharing import (
-    PROMPT_REF_FIELD,
-    SharedRowReader,
-    attach_shared_prompt_rows,
-    merged_sample_rows,
-)
 from verl_stable.routing.checks import check_wire_width, jagged_parts, span_pairs, unbind_integer
 from verl_stable.routing.codecs import (
     RoutedRows,
@@ -39,7 +32,10 @@ from verl_stable.routing.codecs import (
     validate_rows,
 )
 from verl_stable.routing.trace import RoutingLayout, RoutingTrace
-from verl_stable.routing.transport import IDS_FIELD, SPAN_FIELD, rows_from_fields
+from verl_stable.transport.boundary import BOUNDARY_FIELD
+from verl_stable.transport.fields import IDS_FIELD, SPAN_FIELD, rows_from_fields
+from verl_stable.transport.sharing import PROMPT_REF_FIELD
+from verl_stable.transport.side_rows import SharedRowReader, attach_shared_prompt_rows, merged_sample_rows
 
 __all__ = ["COMPACT_FIELDS", "expand_compact_routing", "routing_trace_from_batch", "without_compact_fields"]
 
@@ -88,7 +84,7 @@ def routing_trace_from_batch(data: Any, layout: RoutingLayout, kv_batch_get: Any
 
     Sequence ``i`` has ``prompt_len_i + response_len_i`` rows (``prompts`` / ``responses`` as stored per sample,
     or ``input_ids``), in the order of the sample's tokens, valid where the engine recorded routing. Shared prompt
-    rows are re-attached first (:func:`~.sharing.attach_shared_prompt_rows`, reading with ``kv_batch_get``, default
+    rows are re-attached first (:func:`~.side_rows.attach_shared_prompt_rows`, reading with ``kv_batch_get``, default
     TransferQueue's).
     """
     if IDS_FIELD not in data.keys():
@@ -106,7 +102,7 @@ def expand_compact_routing(
     Produces verl's V1 form, jagged int16 ``[B, (prompt_len_i + response_len_i), num_hidden_layers, top_k]`` aligned
     with the jagged ``input_ids``, zero rows where nothing was recorded, so a replay engine written for verl's layout
     consumes it unchanged. Shared prompt rows are put in front of each sample's own rows first
-    (:func:`~.sharing.merged_sample_rows`: through the rank's ``reader`` if given, else one ``kv_batch_get`` of the
+    (:func:`~.side_rows.merged_sample_rows`: through the rank's ``reader`` if given, else one ``kv_batch_get`` of the
     batch's groups, default TransferQueue's). The whole batch is validated and scattered in one pass, not sample by
     sample (this runs at every actor call); an invalid batch is checked again per sample to name the sample. Returns
     True when it added the field.

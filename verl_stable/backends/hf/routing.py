@@ -6,7 +6,7 @@ as ``TokenOutput.routed_experts`` (:func:`routed_experts_array`: [rows, decoder 
 :class:`RouterIdsRecorder` for router-output families, the general capture for the others.
 
 Fault injection (tests only): with ``corrupt_every=k`` (``engine_kwargs.hf.corrupt_routing_every``, see
-:mod:`verl_stable.cpu.hf_options`) every k-th exported request carries a malformed payload
+:mod:`verl_stable.backends.hf.options`) every k-th exported request carries a malformed payload
 (:func:`corrupt_routing_payload`), so the rollout boundary's refusal, ``on_invalid=skip_sample`` and the replay
 coverage metrics can be exercised in a real run.
 """

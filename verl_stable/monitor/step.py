@@ -34,7 +34,7 @@ sums them instead (:func:`coverage_totals` on the same unreduced output, added u
 step) and :meth:`StepMonitor.step` logs those totals as ``stable/routing/coverage/<count>`` and the fractions of
 :func:`verl_stable.monitor.routing_metrics.replay_coverage_metrics`, which the guard's ``replay_coverage`` rule
 watches. The actors' reads of shared prompt rows (``stable/routing/transport/side_*``, see
-:class:`verl_stable.integration.rollout.SharedRowReader`) are summed the same way (:data:`SUMMED_UPDATE_COUNTS`).
+:class:`verl_stable.transport.side_rows.SharedRowReader`) are summed the same way (:data:`SUMMED_UPDATE_COUNTS`).
 """
 
 from __future__ import annotations
@@ -49,12 +49,12 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from verl_stable.integration.rollout.boundary import TRANSPORT_METRIC_PREFIX
-from verl_stable.integration.rollout.sharing import SIDE_READ_COUNTS
 from verl_stable.monitor import metrics as M
 from verl_stable.monitor.guard import Guard, Verdict
 from verl_stable.monitor.routing_metrics import COVERAGE, COVERAGE_COUNTS, replay_coverage_metrics
 from verl_stable.schema import MonitorOptions, StableOptions, parse
+from verl_stable.transport.boundary import TRANSPORT_METRIC_PREFIX
+from verl_stable.transport.side_rows import SIDE_READ_COUNTS
 
 logger = logging.getLogger("verl_stable")
 

@@ -10,7 +10,7 @@ between that code path and the CPU build of vLLM; this module owns all three, an
    point (a distribution finder on ``sys.meta_path``), in memory, installed by :func:`register` and removable with
    :func:`verl_stable.cpu.platform.uninstall`. Nothing is written to site-packages.
 2. **The weight sync.** vLLM's CPU build repacks linear and expert weights after loading, so verl's plain
-   ``model.load_weights`` on the running engine fails; :mod:`verl_stable.cpu.vllm_worker` reloads through vLLM's
+   ``model.load_weights`` on the running engine fails; :mod:`verl_stable.backends.vllm_cpu.worker` reloads through vLLM's
    layerwise reload instead. A ``vLLMHttpServer`` subclass names that worker extension, and a ``vLLMReplica``
    subclass starts that server; :func:`register` puts the replica under the name ``vllm`` in verl's public
    ``RolloutReplicaRegistry`` (only in processes that selected the CPU platform).
@@ -21,7 +21,7 @@ The probe facts behind this (versions, head size, environment variables) are in 
 
 Fault injection, for tests only: ``actor_rollout_ref.rollout.engine_kwargs.vllm.corrupt_routing_every`` (default 0,
 off; :func:`routing_fault_every`) makes the server replace the routed experts of one request in k with a malformed
-payload -- those whose sampling seed is a multiple of k, so a rerun corrupts the same samples (:class:`RoutingFaults`) (every MoE-layer id out of range, :func:`verl_stable.cpu.hf_routing.corrupt_routing_payload`, as
+payload -- those whose sampling seed is a multiple of k, so a rerun corrupts the same samples (:class:`RoutingFaults`) (every MoE-layer id out of range, :func:`verl_stable.backends.hf.routing.corrupt_routing_payload`, as
 the ``hf`` backend's option of the same name does), after vLLM returned them and before they leave the server. The
 rollout boundary then refuses the sample, or skips its routing under ``+verl_stable.routing.on_invalid=skip_sample``.
 The server takes the key out of the engine arguments before vLLM sees them (vLLM would refuse it).
@@ -39,14 +39,14 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from verl_stable.cpu import contracts
-from verl_stable.cpu.contracts import Contract, ContractError, ContractResult
+from verl_stable.compat import contracts
+from verl_stable.compat.contracts import Contract, ContractError, ContractResult
 
 BACKEND = "vllm"
 DISTRIBUTION = "vllm-cpu"
 # vllm-cpu releases whose routed-experts return works on CPU with verl 0.9.1 (0.32 only on vLLM's Triton runner).
 SUPPORTED_VERSIONS = ("0.28", "0.29", "0.30", "0.31")
-WORKER_EXTENSION_FQN = "verl_stable.cpu.vllm_worker.CpuWeightReloadExtension"
+WORKER_EXTENSION_FQN = "verl_stable.backends.vllm_cpu.worker.CpuWeightReloadExtension"
 # vLLM's CPU attention accepts these head sizes (and larger multiples of 16 from 80 up); 16 is refused.
 MIN_HEAD_DIM = 32
 
@@ -237,7 +237,7 @@ class RoutingFaults:
         chosen = seed % self.every == 0 if seed is not None else self.requests % self.every == 0
         if not chosen:
             return routed_experts
-        from verl_stable.cpu.hf_routing import corrupt_routing_payload
+        from verl_stable.backends.hf.routing import corrupt_routing_payload
 
         self.corrupted += 1
         return corrupt_routing_payload(routed_experts, list(self._layout.moe_layers), self._layout.num_experts)

@@ -10,14 +10,14 @@ from hypothesis import strategies as st
 
 from verl_stable.routing.codecs import LayerMapError, RoutedRows, RowCountError, encode_verl_batch, rows_to_trace
 from verl_stable.routing.trace import RoutingLayout
-from verl_stable.routing.transport import (
+from verl_stable.transport.fields import (
     IDS_FIELD,
     SPAN_FIELD,
-    PackedRouting,
     rows_from_fields,
     sample_fields,
     trace_from_fields,
 )
+from verl_stable.transport.packed import PackedRouting
 
 LAYOUT = RoutingLayout("qwen3_moe", "qwen3_moe", 6, (1, 2, 4, 5), 4, 16)
 

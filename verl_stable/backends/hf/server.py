@@ -1,12 +1,12 @@
 """The ``hf`` rollout server: a Hugging Face model served from a Ray actor, token in, token out.
 
-:class:`HFRolloutServer` is the actor that :class:`verl_stable.cpu.hf_rollout.HFReplica` launches (wrapped with
+:class:`HFRolloutServer` is the actor that :class:`verl_stable.backends.hf.rollout.HFReplica` launches (wrapped with
 ``ray.remote``, named :func:`server_actor_name` like vLLM's servers). It answers ``async generate(prompt_ids,
-sampling_params, request_id, ...) -> TokenOutput`` with KV-cached sampling (:mod:`verl_stable.cpu.generation`),
-vLLM-style processed log-probs and, when asked, the routed experts (:mod:`verl_stable.cpu.hf_routing`); concurrent
-requests are batched (:mod:`verl_stable.cpu.batching`), and a request whose sampling params carry ``seed``
+sampling_params, request_id, ...) -> TokenOutput`` with KV-cached sampling (:mod:`verl_stable.backends.hf.generation`),
+vLLM-style processed log-probs and, when asked, the routed experts (:mod:`verl_stable.backends.hf.routing`); concurrent
+requests are batched (:mod:`verl_stable.backends.hf.batching`), and a request whose sampling params carry ``seed``
 (verl-stable's agent loop sends one per sample) is sampled from a generator of that seed, whatever it is batched with.
-It takes streamed weights in buckets (:mod:`verl_stable.cpu.hf_weights`) and answers every lifecycle method verl calls
+It takes streamed weights in buckets (:mod:`verl_stable.backends.hf.weights`) and answers every lifecycle method verl calls
 on a server (nothing to free on CPU).
 """
 
@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from verl_stable.cpu.batching import RequestBatcher
-from verl_stable.cpu.generation import KVCachedSampler, SamplingSpec
-from verl_stable.cpu.hf_options import BACKEND, resolve_options
-from verl_stable.cpu.hf_routing import routing_exporter
-from verl_stable.cpu.hf_weights import WeightLoader
+from verl_stable.backends.hf.batching import RequestBatcher
+from verl_stable.backends.hf.generation import KVCachedSampler, SamplingSpec
+from verl_stable.backends.hf.options import BACKEND, resolve_options
+from verl_stable.backends.hf.routing import routing_exporter
+from verl_stable.backends.hf.weights import WeightLoader
 
 SERVER_NAME_PREFIX = f"{BACKEND}_"
 # Sampling keys accepted but without effect here (bookkeeping or already implied).
@@ -31,14 +31,14 @@ _SAMPLING_KEYS = {"temperature", "top_p", "top_k", "repetition_penalty", "stop_t
 
 
 class HFRolloutServer:
-    """The rollout server actor (wrapped with ``ray.remote`` by :class:`verl_stable.cpu.hf_rollout.HFReplica`)."""
+    """The rollout server actor (wrapped with ``ray.remote`` by :class:`verl_stable.backends.hf.rollout.HFReplica`)."""
 
     def __init__(self, config: Any, model_config: Any, replica_rank: int = 0, node_rank: int = 0) -> None:
         from transformers import AutoModelForCausalLM
         from verl.utils.config import omega_conf_to_dataclass
         from verl.workers.config import HFModelConfig
 
-        from verl_stable.cpu.precision import apply_precision_, perturb_routers_
+        from verl_stable.backends.hf.precision import apply_precision_, perturb_routers_
 
         self.config = omega_conf_to_dataclass(config)
         self.model_config = omega_conf_to_dataclass(model_config, dataclass_type=HFModelConfig)

@@ -12,7 +12,7 @@ import re
 
 import torch
 
-from verl_stable.cpu.precision import (
+from verl_stable.backends.hf.precision import (
     QUANTISED,
     canonical_precision,
     fp8_weight_names,

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 AGENT_NAME = "toy_user_sim_agent"
-AGENT_FQN = "verl_stable.cpu.interactions.UserSimulatorAgentLoop"
+AGENT_FQN = "verl_stable.toy.interactions.UserSimulatorAgentLoop"
 USER_TURNS = 1  # the simulated user's replies per conversation (``multi_turn.max_user_turns`` overrides it)
 TOKENS_PER_TURN = 4  # each assistant turn's ``max_tokens``: a conversation fits in one response
 

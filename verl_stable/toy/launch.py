@@ -4,15 +4,15 @@
 one TransferQueue storage unit, the ``hf`` rollout backend, tiny batch sizes, the toy reward); :func:`regime_overrides`
 turns a recipe's regime into such a run with the same N, loss and replay, and :func:`run_recipe` runs it. :func:`main`
 (``verl-stable run``) checks its arguments and the composed config (:func:`verl_stable.recipes.preflight`), builds the
-tiny assets (:mod:`verl_stable.cpu.assets`) if missing and runs ``main_ppo`` in a subprocess with ``VERL_PLATFORM=cpu``;
+tiny assets (:mod:`verl_stable.toy.assets`) if missing and runs ``main_ppo`` in a subprocess with ``VERL_PLATFORM=cpu``;
 extra ``key=value`` arguments are appended and win. Per-step metrics go to a JSON-lines file (verl's ``file`` logger).
 A second run in the same ``--workdir`` first moves the earlier run's log and metrics to ``superseded/<time>/`` (and
 says where), so nothing it measured is overwritten.
 
 Running the subprocess (environment, a Ray temporary directory of its own, start-up retries, reading the metrics back)
-is :mod:`verl_stable.cpu.trainer_process`; its names stay importable from here.
+is :mod:`verl_stable.toy.trainer_process`; its names stay importable from here.
 
-    python -m verl_stable.cpu.launch --workdir /tmp/run trainer.total_training_steps=3
+    python -m verl_stable.toy.launch --workdir /tmp/run trainer.total_training_steps=3
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ from typing import Any
 
 from verl_stable import recipes
 from verl_stable.argtypes import positive_int, positive_seconds, resolve_path
+from verl_stable.backends.hf.options import PRECISIONS
+from verl_stable.backends.vllm_cpu import rollout as vllm_rollout
 from verl_stable.cpu import attention as varlen_attention
-from verl_stable.cpu import tasks, vllm_rollout
-from verl_stable.cpu.assets import Assets, AssetSpec, asset_paths, ensure_assets
-from verl_stable.cpu.hf_options import PRECISIONS
-from verl_stable.cpu.trainer_process import (
+from verl_stable.toy import tasks
+from verl_stable.toy.assets import Assets, AssetSpec, asset_paths, ensure_assets
+from verl_stable.toy.trainer_process import (
     RAY_TMPDIR_NAME,
     cpu_env,
     job_env_overrides,
@@ -152,7 +153,7 @@ def cpu_overrides(
     """Hydra overrides for a GRPO run of the tiny assets on the CPU runtime.
 
     Args:
-        assets: paths from :func:`verl_stable.cpu.assets.ensure_assets`.
+        assets: paths from :func:`verl_stable.toy.assets.ensure_assets`.
         steps: ``trainer.total_training_steps``.
         batch_size: prompts per step (also the PPO mini-batch: one update per step).
         group_size: samples per prompt (GRPO group, ``rollout.n``).
@@ -243,7 +244,7 @@ def regime_overrides(
 
     Args:
         regime: the regime (or its name, see :data:`verl_stable.recipes.REGIMES`).
-        assets: :class:`verl_stable.cpu.assets.Assets` (tiny MoE, tokenizer, parquet data).
+        assets: :class:`verl_stable.toy.assets.Assets` (tiny MoE, tokenizer, parquet data).
         steps: ``trainer.total_training_steps``.
         mini_batch_prompts: prompts per mini-batch (the paper's 64, scaled down).
         group_size: samples per prompt (the paper's 16, scaled down).
@@ -296,7 +297,7 @@ def run_recipe(
     The arguments are checked first (:func:`verl_stable.recipes.preflight`); then the tiny assets are built under
     ``workdir/assets`` if missing; the log is ``workdir/run/main_ppo.log`` and the per-step metrics
     ``workdir/run/metrics.jsonl`` (an earlier run's are moved to ``workdir/run/superseded/<time>/`` first, see
-    :func:`verl_stable.cpu.trainer_process.set_aside`). Returns ``main_ppo``'s exit code.
+    :func:`verl_stable.toy.trainer_process.set_aside`). Returns ``main_ppo``'s exit code.
 
     Raises:
         ValueError: An unknown regime or task, ``steps`` below 1, a ``workdir`` that cannot be resolved (a symlink
