@@ -74,6 +74,7 @@ def doctor(model: str | None = None, out: Callable[[str], None] = print, vllm_pr
             if not status.ok:
                 problems.append(f"registration step {status.name!r} failed:\n{status.error}")
         problems.extend(_check_cpu_runtime(out))
+        problems.extend(_check_catalogue(out))
 
     if model is not None:
         problems.extend(_check_model(model, out))
@@ -99,6 +100,17 @@ def _check_cpu_runtime(out: Callable[[str], None]) -> list[str]:
         if not result.ok:
             problems.append(f"CPU runtime: {result.name}: {result.detail}")
     return problems
+
+
+def _check_catalogue(out: Callable[[str], None]) -> list[str]:
+    from verl_stable.compat import catalogue
+
+    results = catalogue.check()
+    broken = [r for r in results if not r.ok]
+    out(f"  third-party patches and overridden private methods (compat catalogue): {len(results) - len(broken)} ok")
+    for result in broken:
+        out(f"    [FAIL] {result.name}")
+    return [f"compat catalogue: {r.name}: {r.detail}" for r in broken]
 
 
 # config.json counts the routing check reads as integers (layers, experts and top-k of every supported family)

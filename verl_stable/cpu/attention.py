@@ -263,6 +263,7 @@ def install_ulysses_kernel() -> list[str]:
     patch = importlib.import_module(VERL_PATCH_MODULE)
     current = patch._flash_attention_forward
     if not hasattr(current, "__verl_stable_original__"):
+        # patch: varlen_attention (verl_stable.compat.catalogue)
         patch._flash_attention_forward = ulysses_kernel(current)
     return [f"ulysses_kernel:{ATTN_IMPLEMENTATION}"]
 

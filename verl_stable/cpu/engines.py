@@ -83,6 +83,7 @@ def unpinned_offload_policy() -> Iterator[type]:
     if original is None:
         raise ContractError(f"{OFFLOAD_POLICY_MODULE}.CPUOffloadPolicy missing (fsdp2_offload_policy contract)")
     policy = host_offload_policy()
+    # patch: host_offload_policy (verl_stable.compat.catalogue)
     module.CPUOffloadPolicy = policy
     try:
         yield policy

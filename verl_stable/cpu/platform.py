@@ -230,6 +230,7 @@ def gloo_backend_fix() -> Iterator[None]:
         return original(*args, **kwargs)
 
     init_process_group.__verl_stable_wrapped__ = original  # type: ignore[attr-defined]
+    # patch: gloo_process_group (verl_stable.compat.catalogue)
     torch.distributed.init_process_group = init_process_group
     try:
         yield

@@ -43,6 +43,7 @@ def poll_interval(seconds: float) -> Iterator[None]:
         original(self, *args, **kwargs)
 
     __init__.__verl_stable_poll__ = seconds  # type: ignore[attr-defined]
+    # patch: replay_buffer_poll (verl_stable.compat.catalogue)
     ReplayBuffer.__init__ = __init__
     try:
         yield

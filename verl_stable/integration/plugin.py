@@ -173,6 +173,7 @@ def _install_replay_guard() -> list[str]:
 
     new.__doc__ = original.__doc__
     new._verl_stable_replay_guard = True  # type: ignore[attr-defined]
+    # patch: engine_registry_replay_guard (verl_stable.compat.catalogue)
     EngineRegistry.new = classmethod(new)
     return ["EngineRegistry.new: replay guard"]
 

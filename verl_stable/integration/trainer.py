@@ -215,6 +215,7 @@ class StabilityMonitorMixin:
         super().__init__(config, *args, **kwargs)
         self._stable_state()  # parse the ``stable`` block now: a config error fails before any worker starts
 
+    # patch: base_trainer_mode (verl_stable.compat.catalogue)
     @property
     def trainer_mode(self) -> str:
         """verl branches on this: answer the base mode, whatever name selected the class."""
@@ -324,6 +325,7 @@ class StabilityMonitorMixin:
         and the per-mini-step metrics (:func:`per_update_metrics`)."""
         monitor = self._stable_state()
         tap = _UpdateOutputTap(self.actor_rollout_wg)
+        # patch: update_output_tap (verl_stable.compat.catalogue)
         self.actor_rollout_wg = tap
         try:
             result = super()._update_actor(batch, metrics)
@@ -399,6 +401,7 @@ class StabilityMonitorMixin:
                 batch, metrics = sample(*args, **kwargs)
                 return self._stable_in_order(batch), metrics
 
+            # patch: dispatch_order_sample (verl_stable.compat.catalogue)
             buffer.sample = sample_in_dispatch_order
         return buffer
 

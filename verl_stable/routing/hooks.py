@@ -156,6 +156,7 @@ class _RoutingSession:
         dispatcher = vars(module).get(_ROUTE_METHOD_NAME)
         if not isinstance(dispatcher, _RouteDispatcher):
             dispatcher = _RouteDispatcher(module)
+            # patch: route_tokens_to_experts (verl_stable.compat.catalogue)
             setattr(module, _ROUTE_METHOD_NAME, dispatcher)
         dispatcher.listeners.append((self, site))
         self._wrapped.append(module)

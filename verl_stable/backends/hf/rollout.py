@@ -306,5 +306,6 @@ def register() -> list[str]:
 
     contracts.require(CONTRACTS, "rollout_registry", "replica_registry")
     RolloutReplicaRegistry.register(BACKEND, replica_class)
+    # patch: hf_rollout_adapter (verl_stable.compat.catalogue)
     rollout_base._ROLLOUT_REGISTRY[(BACKEND, "async")] = ADAPTER_FQN
     return [f"rollout_replica:{BACKEND}", f"rollout_adapter:{BACKEND}/async"]

@@ -143,6 +143,7 @@ def vllm_distribution_alias() -> Iterator[None]:
         real = False
     if not real and installed_version() is not None:
         finder = _AliasFinder()
+        # patch: vllm_distribution_alias (verl_stable.compat.catalogue)
         sys.meta_path.append(finder)
     try:
         yield

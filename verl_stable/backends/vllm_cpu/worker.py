@@ -60,6 +60,7 @@ def reset_cpu_moe_kernels(model: torch.nn.Module) -> int:
         method = getattr(module, "quant_method", None)
         backend = getattr(method, "unquantized_backend", None)
         if getattr(method, "moe_kernel", None) is not None and getattr(backend, "name", None) == "CPU":
+            # patch: vllm_cpu_moe_kernel_reset (verl_stable.compat.catalogue)
             method.moe_kernel = None
             dropped += 1
     return dropped

