@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from verl_stable.algos.token_batch import MaskedTokens, PolicyLossTerms, check_same_shape, compute_dtype
+from verl_stable.metric_names import ACTOR, MINIRL
 
 #: Paper defaults for the trust region (eps_low, eps_high).
 DEFAULT_CLIP_RATIO_LOW = 0.2
@@ -110,17 +111,17 @@ def minirl_policy_loss(
         else:
             w_mean, w_min, w_max = tokens.stats(is_weights)
         metrics = {
-            "actor/pg_clipfrac": tokens.fraction(clipped),
-            "actor/ppo_kl": -tokens.mean(log_ratio),
-            "actor/MiniRL/masked_frac_high": tokens.fraction(above),
-            "actor/MiniRL/masked_frac_low": tokens.fraction(below),
-            "actor/MiniRL/ratio_mean": ratio_mean,
-            "actor/MiniRL/ratio_min": ratio_min,
-            "actor/MiniRL/ratio_max": ratio_max,
-            "actor/MiniRL/is_weight_mean": w_mean,
-            "actor/MiniRL/is_weight_min": w_min,
-            "actor/MiniRL/is_weight_max": w_max,
-            "actor/MiniRL/token_weight_mean": tokens.mean(token_weight),
+            f"{ACTOR}pg_clipfrac": tokens.fraction(clipped),
+            f"{ACTOR}ppo_kl": -tokens.mean(log_ratio),
+            f"{MINIRL}/masked_frac_high": tokens.fraction(above),
+            f"{MINIRL}/masked_frac_low": tokens.fraction(below),
+            f"{MINIRL}/ratio_mean": ratio_mean,
+            f"{MINIRL}/ratio_min": ratio_min,
+            f"{MINIRL}/ratio_max": ratio_max,
+            f"{MINIRL}/is_weight_mean": w_mean,
+            f"{MINIRL}/is_weight_min": w_min,
+            f"{MINIRL}/is_weight_max": w_max,
+            f"{MINIRL}/token_weight_mean": tokens.mean(token_weight),
         }
     return PolicyLossTerms(
         loss_mat=loss_mat,

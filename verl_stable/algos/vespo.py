@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from verl_stable.algos.token_batch import MaskedTokens, PolicyLossTerms, check_same_shape, compute_dtype
+from verl_stable.metric_names import ACTOR, VESPO
 
 #: ``log W`` is clamped to ``[-LOG_W_BOUND, LOG_W_BOUND]`` before ``exp``.
 LOG_W_BOUND = 20.0
@@ -175,21 +176,21 @@ def vespo_policy_loss(
         w_stats = sequences.stats(torch.exp(log_w) * sequences.maskf)
         phi_stats = sequences.stats(phi_seq)
         metrics = {
-            "actor/ppo_kl": -tokens.mean(log_ratio),
-            "actor/vespo/log_w_mean": log_w_stats[0],
-            "actor/vespo/log_w_min": log_w_stats[1],
-            "actor/vespo/log_w_max": log_w_stats[2],
-            "actor/vespo/w_mean": w_stats[0],
-            "actor/vespo/w_min": w_stats[1],
-            "actor/vespo/w_max": w_stats[2],
-            "actor/vespo/phi_mean": phi_stats[0],
-            "actor/vespo/phi_min": phi_stats[1],
-            "actor/vespo/phi_max": phi_stats[2],
-            "actor/vespo/clamped_frac": sequences.fraction(raw_log_w.abs() >= LOG_W_BOUND),
-            "actor/vespo/pos_adv_frac": sequences.fraction(seq_adv > 0),
+            f"{ACTOR}ppo_kl": -tokens.mean(log_ratio),
+            f"{VESPO}/log_w_mean": log_w_stats[0],
+            f"{VESPO}/log_w_min": log_w_stats[1],
+            f"{VESPO}/log_w_max": log_w_stats[2],
+            f"{VESPO}/w_mean": w_stats[0],
+            f"{VESPO}/w_min": w_stats[1],
+            f"{VESPO}/w_max": w_stats[2],
+            f"{VESPO}/phi_mean": phi_stats[0],
+            f"{VESPO}/phi_min": phi_stats[1],
+            f"{VESPO}/phi_max": phi_stats[2],
+            f"{VESPO}/clamped_frac": sequences.fraction(raw_log_w.abs() >= LOG_W_BOUND),
+            f"{VESPO}/pos_adv_frac": sequences.fraction(seq_adv > 0),
         }
         if seq_log_is is not None:
-            metrics["actor/vespo/seq_log_is_mean"] = sequences.mean(seq_log_is)
+            metrics[f"{VESPO}/seq_log_is_mean"] = sequences.mean(seq_log_is)
     return PolicyLossTerms(
         loss_mat=loss_mat,
         metrics=metrics,

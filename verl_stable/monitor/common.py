@@ -28,12 +28,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-PREFIX = "stable"
-TRAIN_INF = f"{PREFIX}/train_inf"
-IS_WEIGHTS = f"{PREFIX}/is"
-STALENESS = f"{PREFIX}/staleness"
-ENTROPY = f"{PREFIX}/entropy"
-ROUTING = f"{PREFIX}/routing"
+from verl_stable.metric_names import ENTROPY, IS_WEIGHTS, PREFIX, ROUTING, STALENESS, TRAIN_INF  # noqa: F401 - shared
 
 _INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from verl_stable.metric_names import GUARD
 from verl_stable.monitor.common import check_bool, check_int, check_real, type_name
 from verl_stable.monitor.metrics import window_slope
 from verl_stable.schema import MAX_WINDOW, ConfigError, GuardOptions, parse
@@ -335,7 +336,7 @@ class Guard:
     def metrics(self, verdicts: Iterable[Verdict]) -> dict[str, float]:
         """``stable/guard/{rule}`` = 1.0 for each rule that fired this step, 0.0 for the others."""
         fired = {v.rule for v in verdicts}
-        return {f"stable/guard/{rule.name}": float(rule.name in fired) for rule in self.rules}
+        return {f"{GUARD}{rule.name}": float(rule.name in fired) for rule in self.rules}
 
     def _evaluate(self, rule: Rule, step: int, metrics: Mapping[str, Any]) -> Verdict | None:
         present = [m for m in rule.metrics if m in metrics]

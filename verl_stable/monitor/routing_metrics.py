@@ -16,21 +16,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from verl_stable.metric_names import COVERAGE, COVERAGE_COUNTS  # noqa: F401 - COVERAGE_COUNTS: module API
 from verl_stable.monitor.common import ROUTING, check_bool, check_int, check_real, check_tensor, type_name, valid_mask
-
-COVERAGE = f"{ROUTING}/coverage"
-"""Prefix of the replay-coverage metrics (counts and fractions)."""
-
-COVERAGE_COUNTS: tuple[str, ...] = (
-    "response_rows",
-    "response_replayed_rows",
-    "prompt_rows",
-    "prompt_replayed_rows",
-    "not_needed_rows",
-    "padding_rows",
-)
-"""Replay-coverage row counts, ``stable/routing/coverage/<name>``, in (token, MoE layer) rows. No name contains
-``min`` or ``max``: verl reduces logged lists by substring."""
 
 
 def _number_list(key: str, value: object) -> list[float]:

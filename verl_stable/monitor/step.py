@@ -49,12 +49,11 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from verl_stable.metric_names import COVERAGE, COVERAGE_COUNTS, SIDE_READ_COUNTS, TRANSPORT
 from verl_stable.monitor import metrics as M
 from verl_stable.monitor.guard import Guard, Verdict
-from verl_stable.monitor.routing_metrics import COVERAGE, COVERAGE_COUNTS, replay_coverage_metrics
+from verl_stable.monitor.routing_metrics import replay_coverage_metrics
 from verl_stable.schema import MonitorOptions, StableOptions, parse
-from verl_stable.transport.boundary import TRANSPORT_METRIC_PREFIX
-from verl_stable.transport.side_rows import SIDE_READ_COUNTS
 
 logger = logging.getLogger("verl_stable")
 
@@ -350,7 +349,7 @@ PER_UPDATE_METRICS: tuple[str, ...] = (
 
 SUMMED_UPDATE_COUNTS: tuple[str, ...] = (
     *(f"{COVERAGE}/{name}" for name in COVERAGE_COUNTS),
-    *(TRANSPORT_METRIC_PREFIX + name for name in (*SIDE_READ_COUNTS, "side_reads_per_rank")),
+    *(TRANSPORT + name for name in (*SIDE_READ_COUNTS, "side_reads_per_rank")),
 )
 """Counts the replay engine returns per update mini-step that add up over a step (replay coverage rows, side reads)."""
 

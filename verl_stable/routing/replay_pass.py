@@ -34,13 +34,13 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from verl_stable.monitor.routing_metrics import COVERAGE_COUNTS
+from verl_stable.metric_names import COVERAGE_COUNTS, ENGINE_ROUTING
 from verl_stable.routing.disagreement import expert_sets_differ
 from verl_stable.routing.families import ModelRouting
 from verl_stable.routing.replay import RoutingRecorder, RoutingReplayer
 
 ROUTED_EXPERTS = "routed_experts"
-METRIC_PREFIX = "stable/routing/"  # verl adds "actor/"; the monitored trainers move the keys back under "stable/"
+METRIC_PREFIX = ENGINE_ROUTING  # verl adds "actor/"; the monitored trainers move the keys back under "stable/"
 MODES = ("disabled", "R2", "R3")
 
 

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from verl_stable.metric_names import TRANSPORT
 from verl_stable.routing.checks import count as checked_count
 from verl_stable.routing.codecs import (
     BoundaryStats,
@@ -107,7 +108,7 @@ BOUNDARY_ERRORS: tuple[type[RoutingFormatError], ...] = (
     DuplicateExpertError,
     ZeroRoutingError,
 )
-TRANSPORT_METRIC_PREFIX = "stable/routing/transport/"
+TRANSPORT_METRIC_PREFIX = TRANSPORT
 
 
 def generated_extent(response_mask: Any) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from verl_stable.metric_names import SIDE_READ_COUNTS
 from verl_stable.routing.checks import jagged_parts
 from verl_stable.routing.codecs import ExpertIdRangeError, RoutingFormatError, validate_ids
 from verl_stable.routing.trace import RoutingLayout
@@ -38,10 +39,6 @@ __all__ = [
     "merged_sample_rows",
     "stale_prompt_entries",
 ]
-
-SIDE_READ_COUNTS: tuple[str, ...] = ("side_reads", "side_read_entries", "side_read_reused", "side_read_bytes")
-"""What re-attaching shared prompt rows cost an actor rank (:meth:`SharedRowReader.take_counts`): TransferQueue reads
-issued, entries fetched by them, entries served from the rank's held entries instead, bytes fetched."""
 
 
 def _refs_tensor(refs: Any) -> torch.Tensor:
