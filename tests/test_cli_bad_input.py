@@ -182,12 +182,12 @@ def test_doctor_model_with_a_malformed_config_gets_a_verdict(tmp_path, config, e
 
 
 def test_doctor_model_verdict_when_transformers_itself_refuses(tmp_path, monkeypatch):
-    import verl_stable.routing.families as families
+    import verl_stable.routing.describe as describe
 
     def broken(model):
         raise TypeError("something\nmulti-line")
 
-    monkeypatch.setattr(families, "describe_model_routing", broken)
+    monkeypatch.setattr(describe, "describe_model_routing", broken)
     (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe"}')
     lines: list[str] = []
     assert cli._check_model(str(tmp_path), lines.append) == [

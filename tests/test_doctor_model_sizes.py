@@ -16,7 +16,7 @@ import textwrap
 import pytest
 
 from verl_stable import cli
-from verl_stable.routing import families
+from verl_stable.routing import describe, families
 
 _DEPTH = 100_000
 
@@ -50,7 +50,7 @@ def test_doctor_model_reports_a_deeply_nested_config_as_malformed(tmp_path, nest
     assert problems == [f"routing of {tmp_path} cannot be checked: {expected}"]
     assert lines[-1] == f"    routing replay: cannot be checked ({expected})"
     # the library API gives the same verdict instead of raising
-    report = families.describe_model_routing(tmp_path)
+    report = describe.describe_model_routing(tmp_path)
     assert not report["replayable"] and report["reason"] == expected
 
 
@@ -77,13 +77,13 @@ import json, resource, sys, time
 resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
 from transformers import Qwen3MoeConfig
 from verl_stable import cli
-from verl_stable.routing import families
+from verl_stable.routing import describe, families
 
 root = sys.argv[1]
 started = time.monotonic()
 lines = []
 out = {"doctor": cli._check_model(root, lines.append), "line": lines[-1]}
-out["dict"] = families.describe_model_routing(json.load(open(root + "/config.json")))["reason"]
+out["dict"] = describe.describe_model_routing(json.load(open(root + "/config.json")))["reason"]
 config = Qwen3MoeConfig(hidden_size=32, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
 config.num_hidden_layers = 10**9  # a config object edited after transformers built it
 try:

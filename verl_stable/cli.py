@@ -173,7 +173,7 @@ def model_config_problem(model: str | Path) -> str | None:
 
 
 def _check_model(model: str, out: Callable[[str], None]) -> list[str]:
-    from verl_stable.routing.families import describe_model_routing, format_routing_report
+    from verl_stable.routing.describe import describe_model_routing, format_routing_report
 
     out(f"  {model}:")
     problem = model_config_problem(model)

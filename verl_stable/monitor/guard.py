@@ -399,7 +399,7 @@ def last_good_checkpoint_step(saved_steps: Iterable[int], trip_step: int, flagge
 
     Args:
         saved_steps: steps of the checkpoints that can be resumed from; the trainer passes only those
-            (:func:`verl_stable.integration.trainer.resumable_checkpoint_steps`), since verl's rotation leaves an older
+            (:func:`verl_stable.monitor.checkpoints.resumable_checkpoint_steps`), since verl's rotation leaves an older
             ``global_step_<n>/`` without its weights.
         trip_step: the step whose verdict stops the run.
         flagged_steps: steps any rule flagged.

@@ -25,6 +25,7 @@ doctor report) with ``gates`` (gate-weight formulas), ``replay`` (capture / repl
 token layouts), ``checks`` (every input check, in one place) and ``errors`` (the typed errors).
 """
 
+from verl_stable.routing.describe import describe_model_routing, format_routing_report
 from verl_stable.routing.disagreement import expert_sets_differ, routing_disagreement
 from verl_stable.routing.families import (
     FAMILIES,
@@ -33,8 +34,6 @@ from verl_stable.routing.families import (
     ModelRouting,
     UnsupportedModelError,
     bind_model,
-    describe_model_routing,
-    format_routing_report,
     layout_from_config,
 )
 from verl_stable.routing.replay import ReplayStats, RoutingRecorder, RoutingReplayer, capture, replay

@@ -1,0 +1,168 @@
+"""The report's text: the answer table (regime -> switch -> needed?), the table per cell, every comparison with the
+rule that decided it, and the observations that hold by construction (replay exactness, guard)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from verl_stable.lab.stats import ALPHA, POWER, Comparison, Interval
+from verl_stable.lab.summaries import LABELS, LOG_SCALE, CellSummary, cells_of
+from verl_stable.lab.switches import SwitchResult, regime_name
+
+RULE = (
+    "A switch is **needed** when, with it on, the median-step KL(mu‖pi_old) or the clipped fraction is lower, or the "
+    "late reward higher, by a paired t-test on the per-seed differences (the runs of one seed share data order and "
+    f"sampling seeds; KL on log10) at p < {ALPHA}; by Welch's t-test when the two sides share no seed. Otherwise: 'no "
+    f"effect measured (none larger than X)', X the smallest difference the design detects with {POWER:.0%} power. "
+    "Beside each verdict: the exact sign-flip p, the effect size (mean difference / sd of the differences) and the "
+    "unpaired Welch p. A comparison that lacks a seed (its run failed) says which."
+)
+
+
+def fmt(x: float | None, digits: int = 3) -> str:
+    """``x`` with ``digits`` decimals; ``digits = 0`` means two significant digits in scientific notation (KL)."""
+    if x is None:
+        return "-"
+    if digits == 0:
+        return f"{x:.1e}"
+    if x != 0 and abs(x) < 10 ** (-digits):
+        return f"{x:.1e}"
+    return f"{x:.{digits}f}"
+
+
+def fmt_iv(iv: Interval | None, digits: int = 3) -> str:
+    """``mean [lo, hi]`` (the mean alone without an interval; ``-`` for None)."""
+    if iv is None:
+        return "-"
+    if iv.lo is None:
+        return fmt(iv.mean, digits)
+    return f"{fmt(iv.mean, digits)} [{fmt(iv.lo, digits)}, {fmt(iv.hi, digits)}]"
+
+
+TABLE_FIELDS = (
+    "late_reward",
+    "final_entropy",
+    "kl_k3",
+    "kl_k3_median",
+    "f2",
+    "clip_frac",
+    "routing_disagreement",
+    "router_disagreement",
+)
+DIGITS = {"kl_k3": 0, "kl_k3_median": 0, "f2": 4}  # 0: scientific (KL spans decades)
+
+
+def table(cells: Sequence[CellSummary]) -> str:
+    """The markdown table, one row per (variant, N): mean [95 % interval] over seeds of each run summary."""
+    head = "| variant | N | seeds | steps | " + " | ".join(LABELS[f] for f in TABLE_FIELDS) + " | guard fired |"
+    lines = [head, "|" + "---|" * (len(TABLE_FIELDS) + 5)]
+    for c in cells:
+        values = " | ".join(fmt_iv(c.interval(f), DIGITS.get(f, 3)) for f in TABLE_FIELDS)
+        lines.append(
+            f"| {c.variant} | {c.staleness} | {c.seeds} | {c.steps} | {values} | {', '.join(c.guard_fired) or 'no'} |"
+        )
+    return "\n".join(lines)
+
+
+def _seed_list(seeds: Iterable[int]) -> str:
+    seeds = list(seeds)
+    return ("seed " if len(seeds) == 1 else "seeds ") + ", ".join(str(s) for s in seeds)
+
+
+def missing_text(r: SwitchResult) -> str:
+    """``""``, or what a comparison lacks: ``missing: minirl_r3 seed 13 (no step logged); paired on seeds 11, 12``,
+    and runs that stopped short: ``incomplete: minirl seed 4 (3 of 8 steps)``."""
+    parts = []
+    if r.missing:
+        parts.append(
+            "missing: " + "; ".join(f"{v} {_seed_list(seeds)}" for v, seeds in r.missing) + " (no step logged)"
+        )
+    if r.partial:
+        parts.append(
+            "incomplete: "
+            + "; ".join(f"{v} seed {seed} ({k}{f' of {n}' if n else ''} steps)" for v, seed, k, n in r.partial)
+        )
+    if r.missing and r.comparisons:
+        parts.append(f"paired on {_seed_list(r.paired) if r.paired else 'no seed'}")
+    return "; ".join(parts)
+
+
+def _effect(c: Comparison) -> str:
+    iv = f"{fmt_iv(c.ia, DIGITS.get(c.metric, 3))} vs {fmt_iv(c.ib, DIGITS.get(c.metric, 3))}"
+    ratio = c.ratio
+    times = f", {ratio:.0f}x lower" if c.metric in LOG_SCALE and c.verdict == "lower" and ratio and ratio >= 2 else ""
+    return f"{LABELS[c.metric]} {iv}{times}"
+
+
+def answer_table(results: Sequence[SwitchResult]) -> str:
+    """The headline: regime -> switch -> needed? -> the evidence (findings with their test, or why none)."""
+    lines = ["| regime | switch | needed here? | evidence (mean [95 % interval] over seeds, switch on vs off) |"]
+    lines.append("|---|---|---|---|")
+    for r in results:
+        if not r.comparisons:
+            lines.append(f"| {regime_name(r.staleness)} | {r.switch.name} | not measured | {missing_text(r)} |")
+            continue
+        helps, hurts = r.helps(), r.hurts()
+        if helps and not hurts:
+            verdict = "**yes**"
+        elif hurts and not helps:
+            verdict = "no: it hurts"
+        elif helps and hurts:
+            verdict = "mixed"
+        else:
+            verdict = "no effect measured"
+        shown = helps + hurts
+        if shown:
+            evidence = "; ".join(f"{_effect(c)} ({c.test_text()})" for c in shown)
+        else:
+            few = all(c.verdict == "too few seeds" for c, _ in r.comparisons)
+            evidence = (
+                "fewer than 2 seeds: no test (rerun with --seeds 0 1 2)"
+                if few
+                else "; ".join(f"{_effect(c)}: {c.reason}" for c, g in r.comparisons if g)
+            )
+        if r.lacking:
+            evidence += f" ({missing_text(r)})"
+        lines.append(f"| {regime_name(r.staleness)} | {r.switch.name} | {verdict} | {evidence} |")
+    return "\n".join(lines)
+
+
+def comparison_lines(results: Sequence[SwitchResult]) -> list[str]:
+    """Every comparison in full: values, verdict, the rule that decided, the test."""
+    out = []
+    for r in results:
+        if not r.comparisons:
+            out.append(f"{r.switch.name}, N={r.staleness}: not compared; {missing_text(r)}.")
+        for c, good in r.comparisons:
+            verdict = {"lower": f"{r.switch.a} lower", "higher": f"{r.switch.a} higher"}.get(c.verdict, c.verdict)
+            role = "" if good is None else (" (helps)" if c.verdict == good else " (hurts)" if c.is_finding else "")
+            per_seed = ", ".join(f"{d:+.3g}" for d in c.diffs)
+            kind = "log10 differences" if c.log else "differences"
+            out.append(
+                f"{r.switch.name}, N={r.staleness}, {LABELS[c.metric]}: {_effect(c)} -> **{verdict}**{role}: "
+                f"{c.reason}; per-seed {kind} [{per_seed}]; {c.test_text()}"
+                + (f"; {missing_text(r)}." if r.lacking else ".")
+            )
+    return out
+
+
+def observations(cells: Sequence[CellSummary]) -> list[str]:
+    """What the cells show that is true by construction or descriptive (replay exactness, mismatch size, guard)."""
+    out = []
+    for r3 in cells_of(cells, "minirl_r3"):
+        d, hidden = r3.mean("routing_disagreement"), r3.mean("router_disagreement")
+        if d is not None:
+            out.append(
+                f"R3, N={r3.staleness}: routing disagreement with the rollout {fmt(d)} (0 when the replay works: "
+                f"{'yes' if d == 0 else 'NO'}); the router's own choice differs on {fmt(hidden)} of the rows."
+            )
+    for c in cells:
+        d = c.mean("routing_disagreement")
+        if c.variant in ("minirl", "reinforce_no_is", "minirl_noclip", "vespo", "vanilla_grpo") and d is not None:
+            out.append(
+                f"Without replay ({c.variant}, N={c.staleness}) the updates routed {fmt(d)} of the (token, MoE layer) "
+                "rows to other experts than the rollout (observed, not replayed)."
+            )
+    fired = [f"{c.variant} N={c.staleness} ({', '.join(c.guard_fired)})" for c in cells if c.guard_fired]
+    out.append("Guard fired in: " + ("; ".join(fired) if fired else "no run") + ".")
+    return out

@@ -1,0 +1,242 @@
+"""Metric rows to run summaries to cells: what the lab's report is computed from (pure: no verl, no runs).
+
+Input rows are verl's logged metrics per step, tagged with ``variant``, ``staleness`` and ``seed`` (see
+:func:`verl_stable.lab.results.tag_rows`); :func:`check_rows` refuses a row whose run identity or step is missing or
+mistyped. Every metric is read under the name verl / verl-stable logs it (:data:`METRICS`, first key present wins).
+
+Each run is summarised by one number per metric (:func:`summarize_run`): late reward (mean batch reward
+``critic/score/mean`` over the last half of the steps), final entropy (``stable/entropy/mean``), the mean and the
+median over the steps of KL(mu || pi_old) (k3, ``E_mu[r - 1 - log r]``, ``r = pi_old / mu``), and the means over the
+steps of F(2) (fraction of tokens with ``pi_old / mu`` outside ``[1/2, 2]``), the routing disagreement (rows whose used
+experts differ from the rollout's, or pi_old's under R2), the router's own disagreement (what replay hides) and the
+clipped fraction. A (variant, N) cell (:class:`CellSummary`) holds one such number per seed.
+
+The median step's KL is the per-run KL that comparisons judge: a run's mean KL is one spiking step (a routing flip
+can raise a step's KL 100x) divided by the step count, while the median does not move for a single spike among three
+or more steps. The median rather than the geometric mean: the geometric mean still moves with a spike (by
+``spike^(1/T)``) and is undefined for a step whose k3 is logged as 0.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from verl_stable.lab import stats
+from verl_stable.lab.stats import Interval
+
+METRICS: dict[str, tuple[str, ...]] = {
+    "reward": ("critic/score/mean", "critic/rewards/mean"),
+    "entropy": ("stable/entropy/mean", "actor/entropy"),
+    "kl_k3": ("stable/train_inf/kl_k3", "rollout_corr/k3_kl"),
+    "f2": ("stable/train_inf/extreme_frac_tau2",),
+    "routing_disagreement": ("actor/stable/routing/disagreement", "stable/routing/disagreement"),
+    "router_disagreement": ("actor/stable/routing/router_disagreement", "stable/routing/router_disagreement"),
+    "clip_frac": ("actor/pg_clipfrac",),
+}
+GUARD_PREFIX = "stable/guard/"
+MINIRL_MASKED = ("actor/MiniRL/masked_frac_low", "actor/MiniRL/masked_frac_high")
+REQUIRED_FIELDS = ("variant", "staleness", "seed", "step")
+
+
+def metric(row: Mapping, name: str) -> float | None:
+    """The value of summary metric ``name`` in a step row (first logged key of :data:`METRICS`), else None."""
+    if name == "clip_frac" and METRICS["clip_frac"][0] not in row and any(k in row for k in MINIRL_MASKED):
+        return sum(float(row.get(k) or 0.0) for k in MINIRL_MASKED)
+    for key in METRICS[name]:
+        value = row.get(key)
+        if value is not None and isinstance(value, (int, float)) and math.isfinite(value):
+            return float(value)
+    return None
+
+
+_JSON_NAMES = {str: "string", dict: "object", list: "list", bool: "bool", int: "int", float: "float"}
+
+
+def _described(value: object) -> str:
+    return "None" if value is None else f"the {_JSON_NAMES.get(type(value), type(value).__name__)} {value!r}"
+
+
+def row_problem(row: Mapping) -> str | None:
+    """What is wrong with a row's run identity and step (:data:`REQUIRED_FIELDS`); None when nothing.
+
+    ``variant`` must be a string, ``staleness``, ``seed`` and ``step`` integers (not bools, floats or numeric
+    strings): rows are grouped and ordered by them, so a seed ``"0"`` would pass the duplicate check beside seed 0 and
+    then be merged into that run, changing its numbers.
+    """
+    missing = [f for f in REQUIRED_FIELDS if f not in row]
+    if missing:
+        return f"lacks {missing}; rows need {list(REQUIRED_FIELDS)}"
+    for key in REQUIRED_FIELDS:
+        value = row[key]
+        if key == "variant":
+            if not isinstance(value, str):
+                return f"key {key!r} must be a string, got {_described(value)}"
+        elif isinstance(value, bool) or not isinstance(value, int):
+            return f"key {key!r} must be an integer, got {_described(value)}"
+    return None
+
+
+def check_rows(rows: Sequence[Mapping]) -> None:
+    """Raise ``ValueError`` for a row whose run identity or step is missing or mistyped (:func:`row_problem`), or
+    a step repeated within a run."""
+    seen = set()
+    for i, row in enumerate(rows):
+        problem = row_problem(row)
+        if problem is not None:
+            raise ValueError(f"metric row {i}: {problem}")
+        key = (row["variant"], row["staleness"], row["seed"], row["step"])
+        if key in seen:
+            raise ValueError(f"duplicate step {row['step']} for {key[:3]}")
+        seen.add(key)
+
+
+def _mean(xs: Iterable[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _median(xs: Iterable[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """Summary of one (variant, N, seed) run."""
+
+    variant: str
+    staleness: int
+    seed: int
+    steps: int
+    final_reward: float | None
+    best_reward: float | None
+    final_entropy: float | None
+    kl_k3: float | None
+    f2: float | None
+    routing_disagreement: float | None
+    router_disagreement: float | None
+    clip_frac: float | None
+    guard_fired: tuple[str, ...]
+    late_reward: float | None = None
+    kl_k3_median: float | None = None  # the median step's KL: robust to one spiking step (module docstring)
+
+
+def summarize_run(rows: Sequence[Mapping]) -> RunSummary:
+    """Summary of one run's rows (all with the same variant, N and seed), sorted by step."""
+    rows = sorted(rows, key=lambda r: r["step"])
+    rewards = [metric(r, "reward") for r in rows]
+    present = [x for x in rewards if x is not None]
+    fired = sorted({k[len(GUARD_PREFIX) :] for r in rows for k, v in r.items() if k.startswith(GUARD_PREFIX) and v})
+    return RunSummary(
+        variant=rows[0]["variant"],
+        staleness=int(rows[0]["staleness"]),
+        seed=int(rows[0]["seed"]),
+        steps=len(rows),
+        final_reward=present[-1] if present else None,
+        best_reward=max(present) if present else None,
+        final_entropy=next((x for x in (metric(r, "entropy") for r in reversed(rows)) if x is not None), None),
+        kl_k3=_mean(metric(r, "kl_k3") for r in rows),
+        f2=_mean(metric(r, "f2") for r in rows),
+        routing_disagreement=_mean(metric(r, "routing_disagreement") for r in rows),
+        router_disagreement=_mean(metric(r, "router_disagreement") for r in rows),
+        clip_frac=_mean(metric(r, "clip_frac") for r in rows),
+        guard_fired=tuple(fired),
+        late_reward=_mean(metric(r, "reward") for r in rows[len(rows) // 2 :]),
+        kl_k3_median=_median(metric(r, "kl_k3") for r in rows),
+    )
+
+
+def group_runs(rows: Sequence[Mapping]) -> dict[tuple[str, int, int], list[Mapping]]:
+    """Rows grouped by ``(variant, N, seed)``, in first-seen order."""
+    check_rows(rows)
+    runs: dict[tuple[str, int, int], list[Mapping]] = defaultdict(list)
+    for r in rows:
+        runs[(r["variant"], int(r["staleness"]), int(r["seed"]))].append(r)
+    return dict(runs)
+
+
+SUMMARY_FIELDS = (
+    "late_reward",
+    "final_reward",
+    "best_reward",
+    "final_entropy",
+    "kl_k3",
+    "kl_k3_median",
+    "f2",
+    "routing_disagreement",
+    "router_disagreement",
+    "clip_frac",
+)
+LABELS = {
+    "late_reward": "late reward",
+    "final_reward": "final reward",
+    "best_reward": "best reward",
+    "final_entropy": "final entropy",
+    "kl_k3": "KL(mu‖pi_old) k3",
+    "kl_k3_median": "median-step KL(mu‖pi_old) k3",
+    "f2": "F(2)",
+    "routing_disagreement": "routing disagreement",
+    "router_disagreement": "router's own disagreement",
+    "clip_frac": "clipped fraction",
+}
+LOG_SCALE = ("kl_k3", "kl_k3_median")
+"""Compared on log10: a run's KL spans decades across seeds (one routing flip can spike a step's KL 100x)."""
+
+
+def log_scale(field: str, *values: Iterable[float]) -> bool:
+    """Whether ``field`` is compared on log10 here: a :data:`LOG_SCALE` field whose values are all positive."""
+    return field in LOG_SCALE and all(v > 0 for vals in values for v in vals)
+
+
+@dataclass(frozen=True)
+class CellSummary:
+    """A (variant, N) cell: each metric's per-seed values (seed -> run summary value); guard rules fired, each as
+    ``"<rule> (<k>/<n> seeds)"``."""
+
+    variant: str
+    staleness: int
+    steps: int
+    per_seed: dict[str, dict[int, float]]
+    guard_fired: tuple[str, ...]
+    run_seeds: tuple[int, ...] = ()  # the seeds whose runs logged at least one step in this cell
+
+    @property
+    def seeds(self) -> int:
+        return max((len(v) for v in self.per_seed.values()), default=0)
+
+    def interval(self, field: str) -> Interval | None:
+        """Mean and 95 % interval of ``field`` over the seeds (None when no run logged it); log-scale for KL."""
+        values = self.per_seed.get(field) or {}
+        vals = [values[s] for s in sorted(values)]
+        return stats.interval(vals, log=log_scale(field, vals)) if values else None
+
+    def mean(self, field: str) -> float | None:
+        iv = self.interval(field)
+        return iv.mean if iv else None
+
+
+def summarize(rows: Sequence[Mapping]) -> list[CellSummary]:
+    """One :class:`CellSummary` per (variant, N), ordered by N then first appearance."""
+    by_cell: dict[tuple[str, int], list[RunSummary]] = defaultdict(list)
+    for runs in group_runs(rows).values():
+        s = summarize_run(runs)
+        by_cell[(s.variant, s.staleness)].append(s)
+    cells = []
+    for (variant, n), runs in sorted(by_cell.items(), key=lambda kv: kv[0][1]):
+        per_seed = {f: {r.seed: getattr(r, f) for r in runs if getattr(r, f) is not None} for f in SUMMARY_FIELDS}
+        fired = tuple(
+            f"{g} ({sum(g in r.guard_fired for r in runs)}/{len(runs)} seeds)"
+            for g in sorted({g for r in runs for g in r.guard_fired})
+        )
+        seeds = tuple(sorted(r.seed for r in runs))
+        cells.append(CellSummary(variant, n, min(r.steps for r in runs), per_seed, fired, seeds))
+    return cells
+
+
+def cells_of(cells: Sequence[CellSummary], variant: str, n: int | None = None) -> list[CellSummary]:
+    """The cells of ``variant`` (at staleness ``n`` when given)."""
+    return [c for c in cells if c.variant == variant and (n is None or c.staleness == n)]

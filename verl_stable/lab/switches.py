@@ -1,0 +1,128 @@
+"""The paper's switches as the lab measures them: variant ``a`` (switch on) against ``b`` (off) at each staleness N.
+
+For each switch and N where both variants ran, every judged metric is compared by :func:`verl_stable.lab.stats.compare`
+(the paired test over the seeds both sides have; Welch's when they share none), and the seeds a side lacks or whose
+run stopped short are named (from the sweep's records, :mod:`verl_stable.lab.outcomes`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from verl_stable.lab import stats
+from verl_stable.lab.stats import Comparison
+from verl_stable.lab.summaries import CellSummary, cells_of, log_scale
+
+# the metric and the direction in which a switch helps (None: shown, not judged). Replay's claims (the paper): lower
+# train-inference mismatch, fewer clipped tokens, higher reward. KL is judged on each run's median step (robust to
+# one spiking step: verl_stable.lab.summaries).
+JUDGED = (("kl_k3_median", "lower"), ("clip_frac", "lower"), ("late_reward", "higher"), ("final_entropy", None))
+REWARD_JUDGED = (("late_reward", "higher"), ("final_entropy", None), ("kl_k3_median", None))
+
+
+def regime_name(n: int) -> str:
+    """``on-policy (N = 1)`` or ``off-policy N = n``: the staleness regime of a cell."""
+    return "on-policy (N = 1): train-inference mismatch only" if n == 1 else f"off-policy N = {n}: mismatch + staleness"
+
+
+@dataclass(frozen=True)
+class Switch:
+    """A switch of the paper, as the lab measures it: variant ``a`` (switch on) against ``b`` (off).
+
+    ``judged``: (metric, the direction in which the switch helps, or None for a metric shown but not judged).
+    """
+
+    name: str
+    a: str
+    b: str
+    question: str
+    judged: tuple[tuple[str, str | None], ...] = JUDGED
+
+
+SWITCHES = (
+    Switch(
+        "IS weight", "minirl", "reinforce_no_is", "MiniRL's truncated train-inference IS weight vs none", REWARD_JUDGED
+    ),
+    Switch("R3", "minirl_r3", "minirl", "MiniRL + R3 (replay the rollout's routing) vs MiniRL"),
+    Switch("R2", "minirl_r2", "minirl", "MiniRL + R2 (replay pi_old's routing) vs MiniRL"),
+    Switch("R3 over R2", "minirl_r3", "minirl_r2", "R3 vs R2"),
+    # the clipped fraction is what clipping does, not a cost: judged on reward only
+    Switch("clipping", "minirl", "minirl_noclip", "MiniRL's clipping (trust region) vs none", REWARD_JUDGED),
+    Switch("VESPO", "vespo", "minirl", "VESPO (sequence-level reshaping) vs MiniRL", REWARD_JUDGED),
+)
+
+
+@dataclass(frozen=True)
+class SwitchResult:
+    """One switch at one N: a comparison per judged metric.
+
+    ``missing``: for each side (variant) that lacks seeds the comparison should have had, the variant and those
+    seeds (a seed is expected when the other side has it, or when the sweep recorded a run of it that logged no step);
+    empty ``comparisons`` with a ``missing`` entry: one side has no run at all.
+    """
+
+    switch: Switch
+    staleness: int
+    comparisons: tuple[tuple[Comparison, str | None], ...]  # (comparison, the direction that helps)
+    missing: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    paired: tuple[int, ...] = ()  # the seeds both sides have
+    partial: tuple[tuple[str, int, int, int | None], ...] = ()  # (variant, seed, steps logged, steps expected)
+
+    @property
+    def lacking(self) -> bool:
+        """Whether a seed is missing or a run's steps stop short on either side."""
+        return bool(self.missing or self.partial)
+
+    def helps(self) -> list[Comparison]:
+        return [c for c, good in self.comparisons if good and c.verdict == good]
+
+    def hurts(self) -> list[Comparison]:
+        return [c for c, good in self.comparisons if good and c.is_finding and c.verdict != good]
+
+
+def _recorded_seeds(runs: Sequence[Mapping], variant: str, n: int) -> set[int]:
+    return {int(r["seed"]) for r in runs if r.get("variant") == variant and r.get("staleness") == n}
+
+
+def _partial(runs: Sequence[Mapping], variants: Sequence[str], n: int) -> tuple[tuple[str, int, int, int | None], ...]:
+    """Runs of ``variants`` at ``n`` that failed after logging some steps: their summaries use fewer steps."""
+    return tuple(
+        (r["variant"], r["seed"], r["steps"], r.get("expected_steps"))
+        for r in runs
+        if r["variant"] in variants and r["staleness"] == n and r["steps"] > 0 and (r.get("error") or r["returncode"])
+    )
+
+
+def switch_results(cells: Sequence[CellSummary], runs: Sequence[Mapping] = ()) -> list[SwitchResult]:
+    """Every switch of :data:`SWITCHES` at every N where both of its variants ran, with the seeds each side lacks.
+
+    Args:
+        cells: :func:`verl_stable.lab.summaries.summarize`'s cells.
+        runs: the sweep's run records (:func:`verl_stable.lab.outcomes.run_records`): a run recorded there that logged
+            no step is a seed its side lacks, and a switch whose one side only failed is listed with no comparison.
+    """
+    out = []
+    for n in sorted({c.staleness for c in cells} | {int(r["staleness"]) for r in runs}):
+        for sw in SWITCHES:
+            on, off = cells_of(cells, sw.a, n), cells_of(cells, sw.b, n)
+            has = {v: set(c[0].run_seeds) if c else set() for v, c in ((sw.a, on), (sw.b, off))}
+            tried = {v: has[v] | _recorded_seeds(runs, v, n) for v in (sw.a, sw.b)}
+            if not tried[sw.a] or not tried[sw.b]:
+                continue  # a variant this sweep did not run at this N: the switch is not part of it
+            expected = tried[sw.a] | tried[sw.b]
+            missing = tuple((v, tuple(sorted(expected - has[v]))) for v in (sw.a, sw.b) if expected - has[v])
+            partial = _partial(runs, (sw.a, sw.b), n)
+            if not on or not off:  # one side's runs all failed: said, not skipped
+                out.append(SwitchResult(sw, n, (), missing, (), partial))
+                continue
+            comps = []
+            for field, good in sw.judged:
+                a, b = on[0].per_seed.get(field) or {}, off[0].per_seed.get(field) or {}
+                if a and b:
+                    log = log_scale(field, a.values(), b.values())
+                    comps.append((stats.compare(field, sw.a, a, sw.b, b, log=log), good))
+            if comps:
+                paired = tuple(sorted(has[sw.a] & has[sw.b]))
+                out.append(SwitchResult(sw, n, tuple(comps), missing, paired, partial))
+    return out
