@@ -1,29 +1,20 @@
 """MiniRL per-token loss: gradients against the analytic formula, the trust-region mask, bad input."""
 
 import math
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
+from testkit import losses as testkit_losses
 
 from verl_stable.algos.minirl import minirl_policy_loss
 
 EPS_LOW, EPS_HIGH = 0.2, 0.27
 
 
-def ragged_batch(seed: int, batch: int = 6, length: int = 9, spread: float = 0.3):
-    """Random token tensors with ragged right padding and a few holes inside responses."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, length + 1, (batch,), generator=g)
-    mask = torch.arange(length)[None, :] < lengths[:, None]
-    holes = torch.rand(batch, length, generator=g) < 0.15
-    mask = mask & ~holes
-    mask[:, 0] = True  # keep every row non-empty
-    log_prob = -torch.rand(batch, length, generator=g, dtype=torch.float64) * 3
-    old = log_prob + spread * torch.randn(batch, length, generator=g, dtype=torch.float64)
-    adv = torch.randn(batch, 1, generator=g, dtype=torch.float64).expand(batch, length).clone()
-    weights = torch.rand(batch, length, generator=g, dtype=torch.float64) * 5
-    return log_prob, old, adv, mask, weights
+# random token tensors with ragged right padding and a few holes inside responses
+ragged_batch = partial(testkit_losses.ragged_batch, batch=6, length=9, spread=0.3, holes=0.15)
 
 
 def reference_grad(log_prob, old, adv, mask, weights):

@@ -1,10 +1,12 @@
 """VESPO: kernel values, sequence weight, gradients against the analytic formula, bad input."""
 
 import math
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
+from testkit import losses as testkit_losses
 
 from verl_stable.algos.vespo import (
     LOG_W_BOUND,
@@ -14,21 +16,9 @@ from verl_stable.algos.vespo import (
     vespo_sequence_log_weight,
 )
 
-
-def ragged_batch(seed: int, batch: int = 6, length: int = 8, spread: float = 0.15, token_adv: bool = False):
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, length + 1, (batch,), generator=g)
-    mask = torch.arange(length)[None, :] < lengths[:, None]
-    mask = mask & ~(torch.rand(batch, length, generator=g) < 0.15)
-    mask[:, 0] = True
-    log_prob = -torch.rand(batch, length, generator=g, dtype=torch.float64) * 3
-    old = log_prob + spread * torch.randn(batch, length, generator=g, dtype=torch.float64)
-    if token_adv:
-        adv = torch.randn(batch, length, generator=g, dtype=torch.float64)
-    else:
-        adv = torch.randn(batch, 1, generator=g, dtype=torch.float64).expand(batch, length).clone()
-    weights = 0.5 + torch.rand(batch, length, generator=g, dtype=torch.float64)
-    return log_prob, old, adv, mask, weights
+ragged_batch = partial(
+    testkit_losses.ragged_batch, batch=6, length=8, spread=0.15, holes=0.15, weight_low=0.5, weight_scale=1.0
+)
 
 
 def reference_grad(log_prob, old, adv, mask, weights, c=(2.0, 3.0, 3.0, 2.0)):

@@ -4,7 +4,7 @@ The checkpoints are written by verl's own code: ``FSDPCheckpointManager.save_che
 engine) on a tiny model in a one-rank gloo group, called as ``PPOTrainer._save_checkpoint`` calls it
 (``global_step_<n>/actor``, then the dataloader's ``data.pt``), with verl's rotation
 (``trainer.max_actor_ckpt_to_keep``): an older ``global_step_<n>/`` keeps ``data.pt`` but loses ``actor/``. Each
-verdict of :func:`~verl_stable.integration.trainer.checkpoint_problem` is checked against verl's own loader
+verdict of :func:`~verl_stable.monitor.checkpoints.checkpoint_problem` is checked against verl's own loader
 (``FSDPCheckpointManager.load_checkpoint``) on the same folder. Megatron's layout needs Megatron-Core, which is not
 installed here: its folders are laid out as verl's ``MegatronCheckpointManager.save_checkpoint`` documents (schema
 v2, ``ckpt_contents.json`` written last).
@@ -18,23 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
 
 from verl_stable.integration import trainer as T
+from verl_stable.monitor import checkpoints as CK
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group(tmp_path_factory):
-    """verl's checkpoint manager reads the rank and world size of the default process group."""
-    created = not dist.is_initialized()
-    if created:
-        store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
+# verl's checkpoint manager reads the rank and world size of the default process group
+pytestmark = pytest.mark.usefixtures("one_rank_group")  # tests/integration/conftest.py
 
 
 def _manager(seed: int = 0) -> FSDPCheckpointManager:
@@ -89,13 +80,13 @@ def test_verls_rotation_leaves_a_folder_without_weights(rotated):
 def test_only_checkpoints_verl_can_load_are_resumable(rotated):
     for step in (1, 2, 3):
         folder = rotated / f"global_step_{step}"
-        problem = T.checkpoint_problem(folder)
+        problem = CK.checkpoint_problem(folder)
         assert (problem is None) == _verl_loads(folder), (step, problem)
-    assert T.checkpoint_problem(rotated / "global_step_1") == (
+    assert CK.checkpoint_problem(rotated / "global_step_1") == (
         f"{rotated / 'global_step_1' / 'actor'} is missing (rotated away by max_actor_ckpt_to_keep, or never saved)"
     )
-    assert T.saved_checkpoint_steps(str(rotated)) == [1, 2, 3]
-    assert T.resumable_checkpoint_steps(str(rotated)) == [2, 3]
+    assert CK.saved_checkpoint_steps(str(rotated)) == [1, 2, 3]
+    assert CK.resumable_checkpoint_steps(str(rotated)) == [2, 3]
 
 
 @pytest.mark.parametrize(
@@ -111,7 +102,7 @@ def test_only_checkpoints_verl_can_load_are_resumable(rotated):
 def test_a_checkpoint_missing_a_file_verl_loads_is_not_resumable(tmp_path, remove, contents, expected):
     folder = _save(_manager(), tmp_path, 4, keep=None)
     (folder / "actor" / remove).unlink()
-    problem = T.checkpoint_problem(folder, contents=contents)
+    problem = CK.checkpoint_problem(folder, contents=contents)
     if expected is None:
         assert problem is None
     else:
@@ -122,26 +113,26 @@ def test_a_checkpoint_missing_a_file_verl_loads_is_not_resumable(tmp_path, remov
 
 def test_a_run_with_a_critic_needs_the_critics_checkpoint_too(tmp_path):
     folder = _save(_manager(), tmp_path, 2, keep=None)
-    assert T.checkpoint_problem(folder) is None
-    assert T.checkpoint_problem(folder, critic=True) == (
+    assert CK.checkpoint_problem(folder) is None
+    assert CK.checkpoint_problem(folder, critic=True) == (
         f"{folder / 'critic'} is missing (rotated away by max_critic_ckpt_to_keep, or never saved)"
     )
     _manager().save_checkpoint(str(folder / "critic"), None, 2)
-    assert T.checkpoint_problem(folder, critic=True) is None
+    assert CK.checkpoint_problem(folder, critic=True) is None
 
 
 def test_shards_of_every_rank_are_needed(tmp_path):
     folder = _save(_manager(), tmp_path, 2, keep=None)
     config = folder / "actor" / "fsdp_config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "world_size": 2}))  # as saved by 2 ranks
-    assert "lacks the model shard of rank 0, 1 (world size 2)" in T.checkpoint_problem(folder)
+    assert "lacks the model shard of rank 0, 1 (world size 2)" in CK.checkpoint_problem(folder)
     for rank in (0, 1):
         for content in ("model", "optim", "extra_state"):
             actor = folder / "actor"
             os.link(actor / f"{content}_world_size_1_rank_0.pt", actor / f"{content}_world_size_2_rank_{rank}.pt")
         if rank == 0:
-            assert "lacks the model shard of rank 1 (world size 2)" in T.checkpoint_problem(folder)
-    assert T.checkpoint_problem(folder) is None
+            assert "lacks the model shard of rank 1 (world size 2)" in CK.checkpoint_problem(folder)
+    assert CK.checkpoint_problem(folder) is None
 
 
 def _megatron(folder: Path, manifest: bool = True) -> Path:
@@ -160,21 +151,21 @@ def _megatron(folder: Path, manifest: bool = True) -> Path:
 
 
 def test_megatron_checkpoints_are_resumable_once_their_manifest_is_written(tmp_path):
-    assert T.checkpoint_problem(_megatron(tmp_path / "global_step_3")) is None
+    assert CK.checkpoint_problem(_megatron(tmp_path / "global_step_3")) is None
     unfinished = _megatron(tmp_path / "global_step_4", manifest=False)  # an async save still running, or cut short
-    assert "has neither FSDP's fsdp_config.json nor Megatron's ckpt_contents.json" in T.checkpoint_problem(unfinished)
+    assert "has neither FSDP's fsdp_config.json nor Megatron's ckpt_contents.json" in CK.checkpoint_problem(unfinished)
 
 
 def test_a_folder_not_named_by_step_is_not_a_checkpoint(tmp_path):
-    assert "expected a folder named global_step_<n>" in T.checkpoint_problem(tmp_path / "latest")
+    assert "expected a folder named global_step_<n>" in CK.checkpoint_problem(tmp_path / "latest")
 
 
 def test_the_guard_names_the_last_resumable_checkpoint(rotated):
     """Step 1 would be the last good one by the metrics, but its weights were rotated away: none is named."""
     from verl_stable.monitor.guard import last_good_checkpoint_step
 
-    steps = T.resumable_checkpoint_steps(str(rotated))
-    assert last_good_checkpoint_step(T.saved_checkpoint_steps(str(rotated)), 4, {3}) == 1  # by the metrics alone
+    steps = CK.resumable_checkpoint_steps(str(rotated))
+    assert last_good_checkpoint_step(CK.saved_checkpoint_steps(str(rotated)), 4, {3}) == 1  # by the metrics alone
     assert last_good_checkpoint_step(steps, 4, {3}) is None
     assert last_good_checkpoint_step(steps, 5, {4}) == 2
 

@@ -11,9 +11,8 @@ comparison is made on step 1.
 
 from __future__ import annotations
 
-import re
-
 import pytest
+from testkit.ray_logs import actors
 
 RUNS = (1, 2)
 
@@ -50,15 +49,11 @@ def runs(tmp_path_factory):
     return out
 
 
-def _actors(log: str, name: str) -> set[str]:
-    return set(re.findall(rf"\({name} pid=(\d+)\)", log))
-
-
 @pytest.mark.e2e
 def test_two_ranks_and_two_replicas_replay_every_needed_row_exactly_once(runs):
     one, two = runs[1][0], runs[2][0]
-    assert len(_actors(runs[2][1], "WorkerDict")) == 2 and len(_actors(runs[2][1], "HFRolloutServer")) == 2
-    assert len(_actors(runs[1][1], "HFRolloutServer")) == 1
+    assert len(actors(runs[2][1], "WorkerDict")) == 2 and len(actors(runs[2][1], "HFRolloutServer")) == 2
+    assert len(actors(runs[1][1], "HFRolloutServer")) == 1
     for row1, row2 in zip(one, two, strict=True):
         assert row2["stable/routing/disagreement"] == 0.0  # every rank, every micro-batch used the rollout's experts
         assert row2["stable/routing/coverage/response_replayed"] == 1.0

@@ -22,9 +22,8 @@ and the replay coverage row counts summed over mini-steps, micro-batches and ran
 
 from __future__ import annotations
 
-import re
-
 import pytest
+from testkit.ray_logs import actors
 
 RUNS = (1, 2)
 MAX_TOKENS = 40  # ppo_max_token_len_per_gpu (and the log-prob pass's): sequences are up to 20 tokens
@@ -63,14 +62,10 @@ def runs(tmp_path_factory):
     return out
 
 
-def _actors(log: str, name: str) -> set[str]:
-    return set(re.findall(rf"\({name} pid=(\d+)\)", log))
-
-
 @pytest.mark.e2e
 def test_the_runs_have_the_shape_asked_for(runs):
-    assert len(_actors(runs[2][1], "WorkerDict")) == 2 and len(_actors(runs[2][1], "HFRolloutServer")) == 2
-    assert len(_actors(runs[1][1], "HFRolloutServer")) == 1
+    assert len(actors(runs[2][1], "WorkerDict")) == 2 and len(actors(runs[2][1], "HFRolloutServer")) == 2
+    assert len(actors(runs[1][1], "HFRolloutServer")) == 1
     for dp in RUNS:
         rows = runs[dp][0]
         assert [r["step"] for r in rows] == [1, 2]

@@ -17,10 +17,8 @@ from contextlib import contextmanager, nullcontext
 
 import pytest
 import torch
-import torch.distributed as dist
 from tensordict import TensorDict
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-from verl.plugin.platform import platform_manager
+from testkit.moe import EXPERTS, MOE_LAYERS, NUM_LAYERS, TOPK, engine_model
 from verl.utils import tensordict_utils as tu
 from verl.utils import torch_functional as verl_F
 from verl.utils.metric import AggregationType, Metric
@@ -29,52 +27,15 @@ from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from verl_stable.compat import import_hooks
-from verl_stable.cpu.platform import platform_class
 from verl_stable.integration import fsdp_engine as fe
 from verl_stable.integration.fsdp_engine import ReplayAction, RouterReplayError, replay_action
 from verl_stable.routing import RoutingTrace, capture, replay
 
-NUM_LAYERS, MOE_LAYERS, EXPERTS, TOPK = 3, (0, 2), 8, 2
 LENGTHS = [5, 7, 3, 6]
+pytestmark = pytest.mark.usefixtures("cpu_runtime")  # tests/integration/conftest.py
 
 
-# ----------------------------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module", autouse=True)
-def cpu_runtime(tmp_path_factory):
-    """verl's device helpers on the CPU platform and a one-rank gloo WORLD, restored afterwards."""
-    previous = platform_manager._current_platform
-    platform_manager._current_platform = platform_class()()
-    created = not dist.is_initialized()
-    if created:
-        store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        if created:
-            dist.destroy_process_group()
-        platform_manager._current_platform = previous
-
-
-def _model(seed: int = 0) -> Qwen3MoeForCausalLM:
-    config = Qwen3MoeConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=32,
-        moe_intermediate_size=16,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        num_experts=EXPERTS,
-        num_experts_per_tok=TOPK,
-        mlp_only_layers=[1],
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(seed)
-    return Qwen3MoeForCausalLM(config).eval()
-
-
+# ------------------------------------------------------------------------------------------------ helpers
 def _engine(model, cls=None, mode="R3", forward_only_engine=False, pad_to_length=False):
     """An engine instance with exactly the state verl's FSDPEngine.__init__ / initialize give it, minus FSDP."""
     cls = fe.engine_class() if cls is None else cls
@@ -198,7 +159,7 @@ def test_replay_action_rejects_unknown_mode():
 # ----------------------------------------------------------------------------------------------- R2 record
 @pytest.mark.parametrize("remove_padding", [True, False])
 def test_r2_record_returns_the_models_own_routing_and_leaves_log_probs_unchanged(remove_padding):
-    model = _model()
+    model = engine_model()
     data = _batch(remove_padding=remove_padding, micro=2)
     base = _engine(model, cls=FSDPEngineWithLMHead)
     with capture(model, use_attention_mask=True) as rec:
@@ -218,7 +179,7 @@ def test_r2_record_returns_the_models_own_routing_and_leaves_log_probs_unchanged
 
 
 def test_r2_recorded_routing_follows_its_sample_through_dynamic_micro_batches():
-    model = _model()
+    model = engine_model()
     fixed, _ = _run(_engine(model, mode="R2"), _batch(micro=1))
     dynamic, _ = _run(_engine(model, mode="R2"), _batch(dynamic=True))
     for a, b in zip(fixed["routed_experts"].unbind(), dynamic["routed_experts"].unbind(), strict=True):
@@ -227,7 +188,7 @@ def test_r2_recorded_routing_follows_its_sample_through_dynamic_micro_batches():
 
 # ----------------------------------------------------------------------------------------------- replay
 def test_r3_forces_the_rollout_routing_in_compute_log_prob():
-    model = _model()
+    model = engine_model()
     routed = _random_routing(sum(LENGTHS), seed=1)
     out, metrics = _run(_engine(model, mode="R3"), _batch(routed=routed, micro=4))
     base = _engine(model, cls=FSDPEngineWithLMHead)
@@ -245,7 +206,7 @@ def test_r3_forces_the_rollout_routing_in_compute_log_prob():
 
 
 def test_r3_padded_layout_matches_the_library_placing_rows_by_attention_mask():
-    model = _model()
+    model = engine_model()
     routed = _random_routing(sum(LENGTHS), seed=2)
     out, metrics = _run(_engine(model, mode="R3"), _batch(routed=routed, remove_padding=False, micro=4))
     with replay(model, _packed_trace(routed)):
@@ -256,7 +217,7 @@ def test_r3_padded_layout_matches_the_library_placing_rows_by_attention_mask():
 
 
 def test_r3_with_pad_to_length_keeps_pad_rows_on_the_models_routing():
-    model = _model()
+    model = engine_model()
     routed = _random_routing(sum(LENGTHS), seed=3)
     out, metrics = _run(_engine(model, mode="R3", pad_to_length=True), _batch(routed=routed, micro=4))
     with replay(model, _packed_trace(routed)):
@@ -267,7 +228,7 @@ def test_r3_with_pad_to_length_keeps_pad_rows_on_the_models_routing():
 
 
 def test_rows_without_data_keep_the_models_routing_and_are_counted():
-    model = _model()
+    model = engine_model()
     routed = _random_routing(sum(LENGTHS), seed=4)
     last = torch.tensor(LENGTHS).cumsum(0) - 1
     routed[last] = 0  # the rollout engine has no row for the last sampled token
@@ -285,7 +246,7 @@ def test_rows_without_data_keep_the_models_routing_and_are_counted():
 def test_r2_update_replays_pi_old_routing_bit_for_bit_with_router_gradients():
     # Natural update vs R2 update replaying the pi_old routing recorded on the same weights: identical loss and
     # identical gradients, router included (gate weights recomputed from the live logits).
-    model = _model()
+    model = engine_model()
     recorded, _ = _run(_engine(model, mode="R2"), _batch(micro=2))
     model.zero_grad()
     natural, _ = _run(_engine(model, cls=FSDPEngineWithLMHead), _batch(micro=2), False, _sum_logp_loss)
@@ -306,7 +267,7 @@ def test_r2_update_replays_pi_old_routing_bit_for_bit_with_router_gradients():
 
 def test_r2_padded_update_with_other_micro_batches_replays_the_same_rows():
     # The e2e layout: pi_old recorded on one big padded micro-batch, updates on smaller padded micro-batches.
-    model = _model()
+    model = engine_model()
     recorded, _ = _run(_engine(model, mode="R2"), _batch(remove_padding=False, micro=4))
     data = _batch(routed=recorded["routed_experts"].values(), remove_padding=False, micro=1)
     natural, _ = _run(_engine(model, cls=FSDPEngineWithLMHead), _batch(remove_padding=False, micro=1))
@@ -321,7 +282,7 @@ def test_r2_drift_per_mini_step_against_the_perturbed_router_by_hand():
     # Two update mini-steps replaying the same pi_old routing; between them the last MoE layer's router is perturbed
     # (as an optimizer step would). Layer 0 is untouched, so every hidden state entering layer 2 is what pi_old saw
     # and the live router's choice there is top-k(h @ W'^T), computed here by hand.
-    model = _model()
+    model = engine_model()
     recorded, _ = _run(_engine(model, mode="R2"), _batch(micro=4))
     pi_old = recorded["routed_experts"].values().to(torch.long)
     data = _batch(routed=recorded["routed_experts"].values(), micro=4)
@@ -354,7 +315,7 @@ def test_r2_drift_per_mini_step_against_the_perturbed_router_by_hand():
 
 
 def test_r3_and_observe_report_no_r2_drift():
-    model = _model()
+    model = engine_model()
     routed = _random_routing(sum(LENGTHS), seed=10)
     _, r3 = _run(_engine(model, mode="R3"), _batch(routed=routed, micro=4), False, _sum_logp_loss)
     _, observed = _run(_engine(model, mode="disabled"), _batch(routed=routed, micro=4), False, _sum_logp_loss)
@@ -370,7 +331,7 @@ def test_loss_extremes_are_relabelled_for_verls_per_mini_step_aggregation():
         stats = {"actor/stable/staleness/ratio_max": n, "actor/stable/staleness/ratio_mean": n, "actor/x_max": n}
         return loss, Metric.from_dict(stats, aggregation=AggregationType.MEAN)  # what verl's ppo_loss hands back
 
-    _, metrics = _run(_engine(_model(), mode="disabled"), _batch(micro=2), False, loss_with_stats)
+    _, metrics = _run(_engine(engine_model(), mode="disabled"), _batch(micro=2), False, loss_with_stats)
     micro_tokens = [5.0 + 7.0, 3.0 + 6.0]
     assert metrics["actor/stable/staleness/ratio_max"].aggregation is AggregationType.MAX
     assert metrics["actor/stable/staleness/ratio_max"].values == micro_tokens
@@ -383,7 +344,7 @@ def test_replay_survives_gradient_checkpointing_recompute():
     routed = _random_routing(sum(LENGTHS), seed=5)
     grads = []
     for checkpointing in (False, True):
-        model = _model()
+        model = engine_model()
         model.train()
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -396,7 +357,7 @@ def test_replay_survives_gradient_checkpointing_recompute():
 
 # ----------------------------------------------------------------------------------------------- never replay
 def test_reference_engine_and_reference_pass_never_replay():
-    model = _model()
+    model = engine_model()
     routed = _random_routing(sum(LENGTHS), seed=6)
     natural, _ = _run(_engine(model, cls=FSDPEngineWithLMHead), _batch(micro=4))
     ref_engine = _engine(model, mode="R3", forward_only_engine=True)
@@ -412,7 +373,7 @@ def test_reference_engine_and_reference_pass_never_replay():
 
 
 def test_disabled_is_verls_engine_and_only_observes_when_routing_is_present():
-    model = _model()
+    model = engine_model()
     natural, natural_metrics = _run(_engine(model, cls=FSDPEngineWithLMHead), _batch(micro=2))
     out, metrics = _run(_engine(model, mode="disabled"), _batch(micro=2))
     assert torch.equal(out["log_probs"].values(), natural["log_probs"].values())
@@ -427,16 +388,16 @@ def test_disabled_is_verls_engine_and_only_observes_when_routing_is_present():
 
 # ----------------------------------------------------------------------------------------------- errors
 def test_replay_without_routing_names_the_missing_switch():
-    engine = _engine(_model(), mode="R3")
+    engine = _engine(engine_model(), mode="R3")
     with pytest.raises(RouterReplayError, match="enable_rollout_routing_replay=True"):
         _run(engine, _batch(micro=2))
-    r2 = _engine(_model(), mode="R2")
+    r2 = _engine(engine_model(), mode="R2")
     with pytest.raises(RouterReplayError, match="bypass_mode"):
         _run(r2, _batch(micro=2), False, _sum_logp_loss)
 
 
 def test_bad_routing_shapes_raise_with_expected_and_received():
-    engine = _engine(_model(), mode="R3")
+    engine = _engine(engine_model(), mode="R3")
     moe_only = _random_routing(sum(LENGTHS), seed=8)[:, list(MOE_LAYERS)]
     with pytest.raises(RouterReplayError, match=r"\[2 layers, top_k 2\].*\[3 decoder layers, top_k 2\]"):
         _run(engine, _batch(routed=moe_only, micro=2))

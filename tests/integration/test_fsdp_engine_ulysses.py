@@ -23,44 +23,22 @@ single-rank ``verl_stable.routing.capture`` of the natural routing for R2.
 
 from __future__ import annotations
 
-import queue as queue_lib
 import tempfile
-import traceback
 
 import pytest
 import torch
+from testkit.moe import EXPERTS, MOE_LAYERS, NUM_LAYERS, TOPK, engine_model
+from testkit.spawn import report, spawn_and_collect
 
 from verl_stable.cpu.attention import varlen_causal_attention
 
 LENGTHS = [5, 7, 3, 6]  # 21 packed tokens: one Ulysses pad row, 11 rows per rank
-NUM_LAYERS, MOE_LAYERS, EXPERTS, TOPK = 3, (0, 2), 8, 2
 SP = 2
 ATTN = "verl_stable_test_ulysses"  # the attention name the SP ranks register (flash-attention call convention)
 KERNEL_CALLS: list[tuple[int, int]] = []  # (sequence length, heads) per kernel call, in a rank process
 
 
 # ============================================================================================== rank side
-def _model():
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=32,
-        moe_intermediate_size=16,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        num_experts=EXPERTS,
-        num_experts_per_tok=TOPK,
-        mlp_only_layers=[1],
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    return Qwen3MoeForCausalLM(config).eval()
-
-
 def _rollout_routing(seed: int = 1) -> torch.Tensor:
     """``[21, num_hidden_layers, top_k]`` int16: distinct random experts in MoE layers, zeros in the dense layer."""
     gen = torch.Generator().manual_seed(seed)
@@ -110,6 +88,24 @@ def _recorded_kernel(query, *args, **kwargs):
     return varlen_causal_attention(query, *args, **kwargs)
 
 
+def _flash_convention_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """An attention under transformers' flash_attention_forward convention ([B, H, S, D] in, [B, S, H, D] out) that
+    calls ``flash_attention._flash_attention_forward`` as it stands at call time: verl's Ulysses patch of it."""
+    from transformers.integrations import flash_attention
+
+    out = flash_attention._flash_attention_forward(  # looked up per call: verl's patched function
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        attention_mask,
+        query_length=query.shape[2],
+        is_causal=True,
+        softmax_scale=scaling,
+        position_ids=kwargs.get("position_ids"),
+    )
+    return out, None
+
+
 def _install_ulysses_attention(model) -> None:
     """verl's Ulysses patch as ``_build_model_optimizer`` applies it, over a CPU kernel, selected on ``model``."""
     from transformers import AttentionInterface
@@ -119,22 +115,7 @@ def _install_ulysses_attention(model) -> None:
     monkey_patch.apply_monkey_patch(model=model, ulysses_sp_size=SP, use_remove_padding=True)
     assert flash_attention._flash_attention_forward is monkey_patch._ulysses_flash_attention_forward
     monkey_patch._flash_attention_forward = _recorded_kernel  # the kernel under verl's all-to-all
-
-    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        # transformers' flash_attention_forward convention: [B, H, S, D] in, [B, S, H, D] out.
-        out = flash_attention._flash_attention_forward(  # looked up per call: verl's patched function
-            query.transpose(1, 2),
-            key.transpose(1, 2),
-            value.transpose(1, 2),
-            attention_mask,
-            query_length=query.shape[2],
-            is_causal=True,
-            softmax_scale=scaling,
-            position_ids=kwargs.get("position_ids"),
-        )
-        return out, None
-
-    AttentionInterface.register(ATTN, attention)
+    AttentionInterface.register(ATTN, _flash_convention_attention)
 
 
 class _UsedExperts:
@@ -174,7 +155,7 @@ def _rank_body(rank: int, tmp: str) -> dict:
     from verl_stable.integration import fsdp_engine as fe
     from verl_stable.routing import capture
 
-    model = _model()
+    model = engine_model()
     model.save_pretrained(f"{tmp}/model{rank}")
     model_config = HFModelConfig(path=f"{tmp}/model{rank}", load_tokenizer=False, use_remove_padding=True)
     _install_ulysses_attention(model)
@@ -246,40 +227,15 @@ def _rank_body(rank: int, tmp: str) -> dict:
 
 
 def _rank(rank: int, tmp: str, results) -> None:
-    try:
-        # tensors through a file: a queue would pass shared-memory handles that die with this process
-        torch.save(_rank_body(rank, tmp), f"{tmp}/rank{rank}.pt")
-        results.put({"rank": rank})
-    except BaseException:
-        results.put({"rank": rank, "error": traceback.format_exc()})
-        raise
+    report(results, {"rank": rank}, lambda: _rank_body(rank, tmp), f"{tmp}/rank{rank}.pt")
 
 
 # ============================================================================================== test side
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
     """Both ranks' results (spawned processes, gloo over a file store), ordered by rank."""
-    import torch.multiprocessing as mp
-
     tmp = tempfile.mkdtemp(prefix="ulysses_")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(rank, tmp, results)) for rank in range(SP)]
-    for proc in procs:
-        proc.start()
-    outs = []
-    try:
-        for _ in procs:
-            outs.append(results.get(timeout=180))
-    except queue_lib.Empty:
-        pytest.fail(f"a rank did not report within 180 s; exit codes {[p.exitcode for p in procs]}")
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    errors = [o["error"] for o in outs if "error" in o]
-    assert not errors, "\n".join(errors)
+    spawn_and_collect(_rank, [(rank, tmp) for rank in range(SP)], timeout=180, what="rank")
     return [torch.load(f"{tmp}/rank{rank}.pt") for rank in range(SP)]
 
 

@@ -31,9 +31,7 @@ experts every MoE block received (a pre-hook on its ``experts`` module, independ
 
 from __future__ import annotations
 
-import queue as queue_lib
 import tempfile
-import traceback
 
 import pytest
 import torch
@@ -41,10 +39,12 @@ from test_fsdp_engine_ulysses import (
     LENGTHS,
     MOE_LAYERS,
     SP,
-    _model,
+    _flash_convention_attention,
     _rollout_routing,
     _UsedExperts,
 )
+from testkit.moe import engine_model
+from testkit.spawn import report, spawn_and_collect
 
 from verl_stable.cpu.attention import varlen_causal_attention
 
@@ -64,22 +64,8 @@ def _register_attention() -> None:
     """An attention under transformers' flash-attention call convention, looked up per call: verl's Ulysses patch
     replaces ``flash_attention._flash_attention_forward`` and calls the kernel it references (set to the varlen one)."""
     from transformers import AttentionInterface
-    from transformers.integrations import flash_attention
 
-    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        out = flash_attention._flash_attention_forward(
-            query.transpose(1, 2),
-            key.transpose(1, 2),
-            value.transpose(1, 2),
-            attention_mask,
-            query_length=query.shape[2],
-            is_causal=True,
-            softmax_scale=scaling,
-            position_ids=kwargs.get("position_ids"),
-        )
-        return out, None
-
-    AttentionInterface.register(ATTN, attention)
+    AttentionInterface.register(ATTN, _flash_convention_attention)
 
 
 def _advantages() -> torch.Tensor:
@@ -241,45 +227,17 @@ def _calls(used: _UsedExperts) -> list[torch.Tensor]:
 
 
 def _process(name: str, rank: int, tmp: str, results) -> None:
-    try:
-        # tensors through a file: a queue would pass shared-memory handles that die with this process
-        torch.save(_process_body(name, rank, tmp), f"{tmp}/{name}_{rank}.pt")
-        results.put({"name": name, "rank": rank})
-    except BaseException:
-        results.put({"name": name, "rank": rank, "error": traceback.format_exc()})
-        raise
+    report(results, {"name": name, "rank": rank}, lambda: _process_body(name, rank, tmp), f"{tmp}/{name}_{rank}.pt")
 
 
 # ============================================================================================== test side
 @pytest.fixture(scope="module")
 def runs() -> dict[str, list[dict]]:
     """``{"sp2": [2 ranks], "dp2sp2": [4 ranks], "sp1": [1 rank]}``: seven spawned processes, three worlds."""
-    import torch.multiprocessing as mp
-
     tmp = tempfile.mkdtemp(prefix="ulysses_train_")
-    _model().save_pretrained(f"{tmp}/model")  # one set of weights, loaded by verl in every process
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(target=_process, args=(name, rank, tmp, results))
-        for name, (world, _, _) in GROUPS.items()
-        for rank in range(world)
-    ]
-    for proc in procs:
-        proc.start()
-    outs = []
-    try:
-        for _ in procs:
-            outs.append(results.get(timeout=600))
-    except queue_lib.Empty:
-        pytest.fail(f"a process did not report within 600 s; exit codes {[p.exitcode for p in procs]}")
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    errors = [o["error"] for o in outs if "error" in o]
-    assert not errors, "\n".join(errors)
+    engine_model().save_pretrained(f"{tmp}/model")  # one set of weights, loaded by verl in every process
+    args = [(name, rank, tmp) for name, (world, _, _) in GROUPS.items() for rank in range(world)]
+    spawn_and_collect(_process, args, timeout=600, what="process")
     return {
         name: [torch.load(f"{tmp}/{name}_{rank}.pt") for rank in range(world)] for name, (world, _, _) in GROUPS.items()
     }

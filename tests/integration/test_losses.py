@@ -4,11 +4,13 @@ import math
 import os
 import subprocess
 import sys
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
 import verl  # noqa: F401  (loads the verl.plugins entry point, which registers the losses)
+from testkit import losses as testkit_losses
 from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.utils import tensordict_utils as tu
@@ -34,17 +36,7 @@ def actor_config(loss_mode: str, loss_agg_mode: str = "seq-mean-token-sum", **po
     )
 
 
-def ragged_batch(seed: int, batch: int = 8, length: int = 7):
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, length + 1, (batch,), generator=g)
-    mask = torch.arange(length)[None, :] < lengths[:, None]
-    mask = mask & ~(torch.rand(batch, length, generator=g) < 0.1)
-    mask[:, 0] = True
-    log_prob = -torch.rand(batch, length, generator=g, dtype=torch.float64) * 3
-    old = log_prob + 0.3 * torch.randn(batch, length, generator=g, dtype=torch.float64)
-    adv = torch.randn(batch, 1, generator=g, dtype=torch.float64).expand(batch, length).clone()
-    weights = torch.rand(batch, length, generator=g, dtype=torch.float64) * 5
-    return log_prob, old, adv, mask, weights
+ragged_batch = partial(testkit_losses.ragged_batch, batch=8, length=7, spread=0.3, holes=0.1)
 
 
 def minirl_objective_grad(log_prob, old, adv, mask, weights):

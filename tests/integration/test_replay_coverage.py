@@ -12,22 +12,18 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 from tensordict import TensorDict
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-from verl.plugin.platform import platform_manager
+from testkit.moe import EXPERTS, MOE_LAYERS, NUM_LAYERS, TOPK, engine_model
 from verl.utils import tensordict_utils as tu
 from verl.utils import torch_functional as verl_F
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.config import EngineRouterReplayConfig, FSDPEngineConfig
 
-from verl_stable.cpu.platform import platform_class
 from verl_stable.integration import fsdp_engine as fe
 from verl_stable.monitor.routing_metrics import COVERAGE, COVERAGE_COUNTS, replay_coverage_metrics
 from verl_stable.monitor.step import StableConfig, StepMonitor, coverage_totals
 from verl_stable.routing.replay_pass import RouterReplayError, coverage_counts, token_roles
 
-NUM_LAYERS, MOE_LAYERS, EXPERTS, TOPK = 3, (0, 2), 8, 2
 M = len(MOE_LAYERS)
 # Four samples, prompt + response; response masks with a tool token inside (sample 1) and tool output after the last
 # trained token (sample 3).
@@ -39,23 +35,7 @@ RESPONSE_MASKS = [[1, 1], [1, 0, 1], [1], [1, 1, 1, 0]]
 #   s2: P=2, trained at 2    -> prompt 0-1, no response row, not needed 2
 #   s3: P=2, trained at 2-4  -> prompt 0-1, response 2-3, not needed 4-5
 PROMPT_TOKENS, RESPONSE_TOKENS, NOT_NEEDED_TOKENS = 11, 5, 5
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cpu_runtime(tmp_path_factory):
-    """verl's device helpers on the CPU platform and a one-rank gloo WORLD, restored afterwards."""
-    previous = platform_manager._current_platform
-    platform_manager._current_platform = platform_class()()
-    created = not dist.is_initialized()
-    if created:
-        store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        if created:
-            dist.destroy_process_group()
-        platform_manager._current_platform = previous
+pytestmark = pytest.mark.usefixtures("cpu_runtime")  # tests/integration/conftest.py
 
 
 def _offsets(lengths) -> torch.Tensor:
@@ -203,30 +183,11 @@ def test_replay_coverage_refuses_bad_counts():
 
 
 # ------------------------------------------------------------------------------------------ verl's engine
-def _model() -> Qwen3MoeForCausalLM:
-    config = Qwen3MoeConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=32,
-        moe_intermediate_size=16,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        num_experts=EXPERTS,
-        num_experts_per_tok=TOPK,
-        mlp_only_layers=[1],
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    return Qwen3MoeForCausalLM(config).eval()
-
-
 def _engine(mode="R3", pad_to_length=False):
     """An engine instance with the state verl's FSDPEngine.__init__ / initialize give it, minus FSDP."""
     cls = fe.engine_class()
     engine = cls.__new__(cls)
-    engine.module = _model()
+    engine.module = engine_model()
     engine.engine_config = FSDPEngineConfig(router_replay=EngineRouterReplayConfig(mode=mode), use_torch_compile=False)
     engine.use_remove_padding = True
     engine.ulysses_device_mesh = None

@@ -18,6 +18,7 @@ from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 from verl.workers.utils.padding import response_to_nested
 
 from verl_stable.integration import trainer as T
+from verl_stable.monitor import checkpoints as CK
 from verl_stable.monitor.guard import GuardTripped
 
 CONFIG_DIR = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
@@ -253,11 +254,11 @@ def test_warn_verdict_does_not_stop(registered, tmp_path):
 
 
 def test_saved_checkpoint_steps(tmp_path):
-    assert T.saved_checkpoint_steps(str(tmp_path / "missing")) == []
+    assert CK.saved_checkpoint_steps(str(tmp_path / "missing")) == []
     for name in ("global_step_10", "global_step_2", "global_step_", "other"):
         (tmp_path / name).mkdir()
     (tmp_path / "global_step_3").write_text("not a folder")
-    assert T.saved_checkpoint_steps(str(tmp_path)) == [2, 10]
+    assert CK.saved_checkpoint_steps(str(tmp_path)) == [2, 10]
 
 
 def test_registration_waits_for_verls_trainer_package_in_a_fresh_process():
