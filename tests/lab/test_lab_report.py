@@ -7,6 +7,7 @@ import math
 import pytest
 
 from verl_stable.lab import report as R
+from verl_stable.lab import stats
 
 
 def _row(variant, n, step, reward, seed=0, **extra):
@@ -90,20 +91,62 @@ def _seeded(variant, n, kl, reward, clip=0.02, seeds=(0, 1, 2), steps=2):
     return rows
 
 
-def test_answer_table_states_a_switch_only_where_intervals_separate():
+def test_answer_table_states_a_switch_only_where_the_paired_test_finds_it():
     rows = _seeded("minirl", 4, kl=[1e-3, 1.2e-3, 0.9e-3], reward=[0.3, 0.5, 0.4], clip=[0.03, 0.035, 0.032])
     rows += _seeded("minirl_r3", 4, kl=[2e-5, 3e-5, 2.5e-5], reward=[0.35, 0.45, 0.5], clip=[0.02, 0.021, 0.019])
     results = R.switch_results(R.summarize(rows))
     (r3,) = results
     verdicts = {c.metric: c.verdict for c, _ in r3.comparisons}
-    assert verdicts == {"kl_k3": "lower", "clip_frac": "lower", "late_reward": "no effect"}  # no entropy logged
+    # KL judged on each run's median step; no entropy logged
+    assert verdicts == {"kl_k3_median": "lower", "clip_frac": "lower", "late_reward": "no effect"}
     table = R.answer_table(results)
     assert "| off-policy N = 4: mismatch + staleness | R3 | **yes** |" in table
     assert "KL(mu‖pi_old) k3 2.5e-05 [1.5e-05, 4.1e-05] vs 1.0e-03" in table  # geometric means, log-scale intervals
-    assert "42x lower" in table and "95% log-scale t-intervals" in table and "Welch t = -25.85" in table
+    # per-seed log10 differences -1.699, -1.602, -1.556: mean -1.6191, sd 0.07285, t = -1.6191 / (0.07285 / sqrt 3)
+    assert "42x lower" in table and "paired over n = 3 seeds (log10): ratio a/b x0.024 [" in table
+    assert "t = -38.50, p = 0.00067; sign-flip p = 0.25 (8 flips)" in table
     lines = "\n".join(R.comparison_lines(results))
-    # reward: per-seed differences +0.05, -0.05, +0.10 change sign: no effect whatever the means say
+    # reward: per-seed differences +0.05, -0.05, +0.10 change sign and p = 0.53: no effect, with what it could see
     assert "late reward" in lines and "the per-seed difference changes sign across seeds" in lines
+    assert "p = 0.53 >= 0.05 (the per-seed difference changes sign across seeds): no effect measured (none " in lines
+    assert "per-seed log10 differences [-1.7, -1.6, -1.56]" in lines
+
+
+def test_the_judged_kl_is_the_median_step_so_one_spike_does_not_decide():
+    rows = []
+    for seed, kl in enumerate([1e-3, 2e-3, 1.5e-3]):
+        rows += [_row("minirl", 4, step, 0.3, seed=seed, **{"stable/train_inf/kl_k3": kl}) for step in (1, 2, 3, 4)]
+    for seed in range(3):  # R3's seed 2 spikes to 0.1 on one step of four
+        for step in (1, 2, 3, 4):
+            kl = 0.1 if (seed, step) == (2, 3) else 1e-4
+            rows.append(_row("minirl_r3", 4, step, 0.3, seed=seed, **{"stable/train_inf/kl_k3": kl}))
+    spiky = R.summarize_run(R.group_runs(rows)[("minirl_r3", 4, 2)])
+    assert spiky.kl_k3 == pytest.approx((3e-4 + 0.1) / 4)  # the mean: the spike over the step count, 250x the rest
+    assert spiky.kl_k3_median == pytest.approx(1e-4)  # the median: the spike does not move it
+    (r3,) = R.switch_results(R.summarize(rows))
+    (kl,) = [c for c, _ in r3.comparisons if c.metric == "kl_k3_median"]
+    # log10 differences -1, -1.301, -1.176: mean -1.159, sd 0.1512, t = -13.28, p = 0.0056
+    assert kl.diffs == pytest.approx((-1.0, -math.log10(20), -math.log10(15)))
+    assert kl.verdict == "lower" and kl.paired.p == pytest.approx(0.0056, abs=1e-4)
+    # the same comparison on the runs' mean KL: the spiking seed reverses the sign, nothing is found
+    cells = R.summarize(rows)
+    on, off = (c.per_seed["kl_k3"] for c in cells)
+    assert stats.compare("kl_k3", "minirl_r3", off, "minirl", on, log=True).verdict == "no effect"
+    table = R.table(cells)
+    assert "median-step KL(mu‖pi_old) k3" in table.splitlines()[0]
+
+
+def test_disjoint_seeds_are_compared_unpaired_and_no_seed_is_said_to_agree():
+    rows = _seeded("minirl", 4, kl=[1e-3, 1.2e-3, 0.9e-3], reward=[0.3, 0.5, 0.4], seeds=(0, 1, 2))
+    rows += _seeded("minirl_r3", 4, kl=[2e-5, 3e-5, 2.5e-5], reward=[0.35, 0.45, 0.5], seeds=(3, 4, 5))
+    results = R.switch_results(R.summarize(rows))
+    (r3,) = results
+    assert all(c.paired is None and c.diffs == () for c, _ in r3.comparisons)
+    kl = next(c for c, _ in r3.comparisons if c.metric == "kl_k3_median")
+    assert kl.verdict == "lower" and kl.reason.startswith("seeds not paired (no seed in common): Welch t-test")
+    text = R.answer_table(results) + "\n".join(R.comparison_lines(results))
+    assert "every seed" not in text and "agree" not in text and "unpaired (seeds not shared)" in text
+    assert "missing: minirl_r3 seeds 0, 1, 2; minirl seeds 3, 4, 5 (no step logged); paired on no seed" in text
 
 
 def test_a_switch_that_moves_nothing_is_no_effect_and_one_seed_gives_no_finding():
@@ -116,6 +159,19 @@ def test_a_switch_that_moves_nothing_is_no_effect_and_one_seed_gives_no_finding(
     )
     table = R.answer_table(R.switch_results(R.summarize(one)))
     assert "no effect measured" in table and "fewer than 2 seeds" in table and "**yes**" not in table
+
+
+def test_a_no_effect_says_the_smallest_effect_it_could_have_seen():
+    rows = _seeded("minirl", 1, kl=[1e-3, 2e-3, 3e-3], reward=[0.3, 0.5, 0.4])
+    rows += _seeded("reinforce_no_is", 1, kl=[1.1e-3, 1.9e-3, 3.2e-3], reward=[0.31, 0.45, 0.42])
+    (result,) = R.switch_results(R.summarize(rows))
+    (reward,) = [c for c, good in result.comparisons if good]
+    # differences -0.01, +0.05, -0.02: sd 0.037859; MDE = 5.6535 * 0.037859 / sqrt(3) = 0.1236
+    assert reward.mde == pytest.approx(5.6534893 * 0.0378594 / math.sqrt(3), rel=1e-5)
+    assert "late reward 0.400 [0.152, 0.648] vs 0.393 [0.210, 0.576]: paired t-test over 3 seeds: p = 0.79" in (
+        R.answer_table([result])
+    )
+    assert "no effect measured (none larger than 0.12)" in R.answer_table([result])
 
 
 def test_a_switch_that_hurts_is_reported_as_such():
@@ -143,6 +199,17 @@ def test_report_starts_with_the_answer_and_has_one_figure_per_regime(tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"(plots/regime_N{n}.png)" in text
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["regime_N1.png", "regime_N4.png"]
+
+
+def test_report_keeps_the_names_its_callers_import():
+    from verl_stable.lab import outcomes, report_tables, summaries, switches
+
+    # lab/cli.py (write_report), lab/sweep.py (output_problem), lab/results.py (row_problem), the lab's tests
+    assert R.row_problem is summaries.row_problem and R.metric is summaries.metric
+    assert R.run_records is outcomes.run_records and R.switch_results is switches.switch_results
+    assert R.answer_table is report_tables.answer_table
+    assert {"write_report", "output_problem", "render_markdown"} <= set(R.__all__)
+    assert all(hasattr(R, name) for name in R.__all__)
 
 
 def test_metric_ignores_missing_and_nonfinite():
