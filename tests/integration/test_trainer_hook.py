@@ -218,6 +218,7 @@ def test_routing_disagreement_uses_the_routing_issue_function():
     assert metrics["stable/routing/rollout_vs_train/layer_0"] == pytest.approx(1 / 6)
     assert metrics["stable/routing/rollout_vs_train/overall"] == pytest.approx(1 / 6)
     assert metrics["stable/routing/rollout_vs_train/token_any_layer"] == pytest.approx(1 / 6)
+    assert metrics["stable/routing/rollout_vs_train/layer_max"] == pytest.approx(1 / 6)
 
 
 def test_stopping_verdict_ends_the_loop_and_names_the_last_good_checkpoint(sync_trainer, tmp_path):

@@ -17,7 +17,7 @@ def test_disagreement_fractions_by_hand():
     b = torch.tensor([[[1, 0], [2, 3]], [[1, 3], [0, 3]], [[3, 0], [2, 0]]])
     # token 0: same sets (order differs); token 1: layer 0 differs; token 2: layer 1 differs
     out = routing_disagreement(RoutingTrace.from_tensor(a, 4), RoutingTrace.from_tensor(b, 4))
-    assert out["per_layer"] == [1 / 3, 1 / 3]
+    assert out["per_layer"] == [1 / 3, 1 / 3] and out["layer_max"] == 1 / 3
     assert out["overall"] == 2 / 6
     assert out["token_any_layer"] == 2 / 3
     assert (out["compared_rows"], out["tokens"]) == (6, 3)
@@ -29,6 +29,24 @@ def test_rows_missing_in_either_trace_are_not_compared():
     out = routing_disagreement(RoutingTrace.from_tensor(a, 4), RoutingTrace.from_tensor(b, 4))
     assert out["per_layer"] == [1.0, 1.0]
     assert out["compared_rows"] == 2 and out["overall"] == 1.0 and out["token_any_layer"] == 1.0
+
+
+def test_layer_max_names_the_drift_that_overall_averages_away():
+    # 4 tokens, 3 layers: layer 2 flips on 3 of 4 tokens, the others never; layer 1 has no data in b at all
+    a = torch.tensor([[[0, 1], [2, 3], [0, 1]]] * 4)
+    b = a.clone()
+    b[:3, 2] = torch.tensor([2, 3])
+    b[:, 1] = -1
+    out = routing_disagreement(RoutingTrace.from_tensor(a, 4), RoutingTrace.from_tensor(b, 4))
+    assert out["per_layer"] == [0.0, 0.0, 0.75]
+    assert out["layer_max"] == 0.75 and out["overall"] == 3 / 8
+    assert out["token_any_layer"] == 3 / 4
+
+
+def test_layer_max_is_zero_when_nothing_is_compared():
+    a = torch.tensor([[[0, 1]]])
+    out = routing_disagreement(RoutingTrace.from_tensor(a, 4), RoutingTrace.from_tensor(torch.full_like(a, -1), 4))
+    assert out["layer_max"] == 0.0 and out["compared_rows"] == 0
 
 
 def test_disagreement_rejects_different_shapes():

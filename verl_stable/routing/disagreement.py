@@ -5,6 +5,8 @@ differ: ``d[n, l] = 1[set(a[n, l]) != set(b[n, l])]`` (order of the top-k column
 
 * ``per_layer[l] = sum_n d[n, l] / #compared rows of layer l``
 * ``overall = sum_{n,l} d[n, l] / #compared (token, layer) rows``
+* ``layer_max = max_l per_layer[l]`` over the layers with a compared row (0 when none): where routing drifts most,
+  so a drift confined to one layer is not averaged away by ``overall``;
 * ``token_any_layer = #tokens with d[n, l] = 1 for some l / #tokens compared in at least one layer``
 
 Inputs are checked first: both traces must be :class:`RoutingTrace` objects with equal layers, top-k, expert count
@@ -44,8 +46,8 @@ def routing_disagreement(a: RoutingTrace, b: RoutingTrace) -> dict[str, Any]:
         b: trace of the same tokens (same N, L, K and expert count).
 
     Returns:
-        ``{"per_layer": list[float], "overall": float, "token_any_layer": float, "compared_rows": int,
-        "tokens": int}``; rows missing in either trace are excluded from numerators and denominators.
+        ``{"per_layer": list[float], "layer_max": float, "overall": float, "token_any_layer": float,
+        "compared_rows": int, "tokens": int}``; rows missing in either trace are excluded from numerators and denominators.
     """
     for name, trace in (("a", a), ("b", b)):
         if not isinstance(trace, RoutingTrace):
@@ -58,11 +60,15 @@ def routing_disagreement(a: RoutingTrace, b: RoutingTrace) -> dict[str, Any]:
     both = a.valid_mask() & b.valid_mask()
     differ = expert_sets_differ(a.ids.to(torch.long), b.ids.to(torch.long)) & both
     compared_per_layer = both.sum(dim=0)
-    per_layer = (differ.sum(dim=0).double() / compared_per_layer.clamp_min(1).double()).tolist()
+    per_layer_t = differ.sum(dim=0).double() / compared_per_layer.clamp_min(1).double()
+    compared_layers = compared_per_layer > 0
+    layer_max = float(per_layer_t[compared_layers].max()) if bool(compared_layers.any()) else 0.0
+    per_layer = per_layer_t.tolist()
     compared = int(both.sum())
     tokens = int(both.any(dim=1).sum())
     return {
         "per_layer": per_layer,
+        "layer_max": layer_max,
         "overall": float(differ.sum()) / max(compared, 1),
         "token_any_layer": float(differ.any(dim=1).sum()) / max(tokens, 1),
         "compared_rows": compared,
