@@ -203,7 +203,7 @@ OVERRIDES: tuple[Override, ...] = (
         "_update_actor",
         ("self", "batch", "metrics"),
         _TRAINER,
-        "taps the update's unreduced per-mini-step metrics",
+        "taps the update's unreduced per-mini-step metrics; does not apply it when a skip_update rule fires",
         "a public per-update metrics hook",
     ),
     Override(

@@ -216,8 +216,20 @@ class StabilityMonitorMixin:
 
     def _update_actor(self, batch, metrics):
         """verl's actor update, plus from its unreduced output the replay-coverage totals (:func:`coverage_totals`)
-        and the per-mini-step metrics (:func:`per_update_metrics`)."""
+        and the per-mini-step metrics (:func:`per_update_metrics`).
+
+        With a ``skip_update`` rule, the guard first judges what is known before the update (the rollout's and
+        pi_old's log-probs, routing, verl's rollout-correction metrics); when it fires, the update is not applied:
+        weights and optimizer state stay as they are, and the rollout's next weight sync sends them unchanged.
+        """
         monitor = self._stable_state()
+        if monitor.skips_updates:
+            fetched, known = None, dict(metrics)
+            if monitor.config.monitor.enable:
+                fetched, transport = self._stable_fetch(batch, self.global_steps, monitor)
+                known.update(transport)
+            if monitor.before_update(self.global_steps, fetched, known):
+                return batch  # skip_update (or a skip escalated to a stop): verl's update is not applied
         tap = _UpdateOutputTap(self.actor_rollout_wg)
         # patch: update_output_tap (verl_stable.compat.catalogue)
         self.actor_rollout_wg = tap

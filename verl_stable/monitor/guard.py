@@ -29,14 +29,26 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from verl_stable.metric_names import GUARD
+from verl_stable.metric_names import GUARD, IS_WEIGHTS, ROUTING, TRAIN_INF, TRANSPORT
 from verl_stable.monitor.common import check_bool, check_int, check_real, type_name
 from verl_stable.monitor.metrics import window_slope
 from verl_stable.schema import MAX_WINDOW, ConfigError, GuardOptions, parse
 
-Action = Literal["warn", "stop", "stop_checkpoint"]
+Action = Literal["warn", "stop", "stop_checkpoint", "skip_update"]
 Condition = Literal["above", "below", "below_and_falling", "non_finite"]
-ACTIONS: tuple[str, ...] = ("warn", "stop", "stop_checkpoint")
+ACTIONS: tuple[str, ...] = ("warn", "stop", "stop_checkpoint", "skip_update")
+Phase = Literal["before_update", "after_update"]
+PRE_UPDATE_PREFIXES: tuple[str, ...] = (
+    f"{TRAIN_INF}/",
+    f"{IS_WEIGHTS}/",
+    TRANSPORT,
+    f"{ROUTING}/rollout_vs_train/",
+    "rollout_corr/",
+)
+"""Metrics measured before the actor update (from the rollout's and pi_old's log-probs and routing; verl's own
+rollout-correction metrics, computed with the advantages): the only ones a ``skip_update`` rule can watch, since it
+decides whether that update is applied."""
+DEFAULT_MAX_SKIPS = 3
 CONDITIONS: tuple[str, ...] = ("above", "below", "below_and_falling", "non_finite")
 
 
@@ -57,11 +69,15 @@ class Rule:
         threshold: the threshold, a finite real number (required except for ``non_finite``, which ignores it).
         window: number of most recent observations the slope is fitted on (an int; >= 2 for
             ``below_and_falling``, ignored by the other conditions).
-        action: ``warn``, ``stop`` or ``stop_checkpoint``.
+        action: ``warn``, ``stop``, ``stop_checkpoint`` or ``skip_update``. ``skip_update`` is evaluated before the
+            actor update, on metrics measured before it (:data:`PRE_UPDATE_PREFIXES`), and the update is not
+            applied when it fires; more than ``max_skips`` consecutive firings escalate to ``stop_checkpoint``.
         slope_tolerance: per-step decline the slope must exceed to count as falling (``below_and_falling``);
             raise it for tasks whose healthy entropy is legitimately low and noisy.
         optional: the metrics exist only in some runs (``replay_coverage``: only under routing replay), so a
             rule that never found them is not listed in :attr:`Guard.missing`.
+        max_skips: ``skip_update`` only: consecutive skipped updates allowed before the rule escalates to
+            ``stop_checkpoint`` (an int >= 1).
     """
 
     name: str
@@ -72,6 +88,7 @@ class Rule:
     action: Action = "warn"
     slope_tolerance: float = 0.0
     optional: bool = False
+    max_skips: int = DEFAULT_MAX_SKIPS
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -99,6 +116,16 @@ class Rule:
             raise ValueError(f"{where}: slope_tolerance must be a finite number >= 0, got {tolerance!r}")
         object.__setattr__(self, "slope_tolerance", tolerance)
         check_bool(f"{where}: optional", self.optional)
+        object.__setattr__(self, "max_skips", check_int(f"{where}: max_skips", self.max_skips))
+        if not 1 <= self.max_skips <= MAX_WINDOW:
+            raise ValueError(f"{where}: max_skips must be in [1, {MAX_WINDOW}], got {self.max_skips!r}")
+        if self.action == "skip_update":
+            late = [m for m in self.metrics if not m.startswith(PRE_UPDATE_PREFIXES)]
+            if late:
+                raise ValueError(
+                    f"{where}: skip_update decides before the actor update, so it can watch only metrics measured "
+                    f"before it ({', '.join(p + '*' for p in PRE_UPDATE_PREFIXES)}), got {late}"
+                )
 
 
 def _metric_names(where: str, metrics: object) -> tuple[str, ...]:
@@ -142,7 +169,12 @@ class Verdict:
     @property
     def stops(self) -> bool:
         """Whether the verdict asks to stop the run."""
-        return self.action != "warn"
+        return self.action in ("stop", "stop_checkpoint")
+
+    @property
+    def skips(self) -> bool:
+        """Whether the verdict asks not to apply this step's actor update."""
+        return self.action == "skip_update"
 
     def describe(self) -> str:
         """The message, plus the checkpoint to resume from for ``stop_checkpoint``.
@@ -243,6 +275,7 @@ class Guard:
     # rule name -> metric name -> recent (step, value): a fallback metric (verl's actor/entropy) has its own scale
     _history: dict[str, dict[str, deque]] = field(default_factory=dict, repr=False)
     _seen: set[str] = field(default_factory=set, repr=False)
+    _skips: dict[str, int] = field(default_factory=dict, repr=False)  # rule -> consecutive skip_update firings
 
     def __post_init__(self) -> None:
         self.rules = tuple(self.rules)
@@ -306,24 +339,54 @@ class Guard:
                 raise ConfigError(f"{where}: {exc}") from None
         return cls(rules=tuple(rules.values()) if options.enable else ())
 
-    def observe(self, step: int, metrics: Mapping[str, Any]) -> list[Verdict]:
-        """Evaluate every rule on one step's metrics and return the verdicts of the rules that fired.
+    @property
+    def skips_updates(self) -> bool:
+        """Whether a rule decides before the actor update (``skip_update``)."""
+        return any(rule.action == "skip_update" for rule in self.rules)
+
+    def observe(self, step: int, metrics: Mapping[str, Any], phase: Phase = "after_update") -> list[Verdict]:
+        """Evaluate the rules of ``phase`` on one step's metrics and return the verdicts of the rules that fired.
+
+        ``before_update`` evaluates the ``skip_update`` rules (on what is known before the actor update),
+        ``after_update`` every other rule, so no rule sees a step twice. A ``skip_update`` rule that fires more than
+        its ``max_skips`` times in a row returns a ``stop_checkpoint`` verdict instead (escalated); a step where it
+        does not fire resets its count.
 
         Args:
             step: the training step (an int) the metrics belong to.
             metrics: metric name -> value, as logged for that step.
+            phase: ``before_update`` or ``after_update``.
         """
+        if phase not in ("before_update", "after_update"):
+            raise ValueError(f"phase must be 'before_update' or 'after_update', got {phase!r}")
         step = check_int("step", step)
         if not isinstance(metrics, Mapping):
             raise TypeError(f"metrics must be a mapping of name to value, got {type_name(metrics)}")
         verdicts = []
         for rule in self.rules:
+            if (rule.action == "skip_update") != (phase == "before_update"):
+                continue
             verdict = self._evaluate(rule, step, metrics)
+            if rule.action == "skip_update":
+                verdict = self._count_skip(rule, verdict)
             if verdict is not None:
                 verdicts.append(verdict)
         if verdicts:
             self.flagged_steps.add(step)
         return verdicts
+
+    def _count_skip(self, rule: Rule, verdict: Verdict | None) -> Verdict | None:
+        if verdict is None:
+            self._skips[rule.name] = 0
+            return None
+        count = self._skips[rule.name] = self._skips.get(rule.name, 0) + 1
+        if count <= rule.max_skips:
+            return verdict
+        message = (
+            f"{verdict.message}; {count} consecutive updates would be skipped (max_skips {rule.max_skips}): "
+            "escalated to stop_checkpoint"
+        )
+        return Verdict(rule.name, "stop_checkpoint", verdict.step, verdict.values, message)
 
     def check(self, step: int, metrics: Mapping[str, Any]) -> list[Verdict]:
         """:meth:`observe`, then raise :class:`GuardTripped` with the stopping verdicts if there are any."""

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from verl_stable.metric_names import COVERAGE, COVERAGE_COUNTS, SIDE_READ_COUNTS, TRANSPORT
+from verl_stable.metric_names import COVERAGE, COVERAGE_COUNTS, GUARD, SIDE_READ_COUNTS, TRANSPORT
 from verl_stable.monitor import metrics as M
 from verl_stable.monitor.guard import Guard, Verdict
 from verl_stable.monitor.routing_metrics import replay_coverage_metrics
@@ -223,14 +223,42 @@ class StepMonitor:
         self.guard = Guard.from_config(config.guard) if config.guard_enable else None
         self._entropy: deque[float] = deque(maxlen=config.monitor.entropy_window)
         self._warned: set[str] = set()
+        self._pending: list[Verdict] = []  # this step's verdicts from before the actor update
+
+    @property
+    def skips_updates(self) -> bool:
+        """Whether a guard rule decides before the actor update (``skip_update``)."""
+        return self.guard is not None and self.guard.skips_updates
+
+    def before_update(self, step: int, batch: MonitorBatch | None, metrics: Mapping[str, Any]) -> list[Verdict]:
+        """The ``skip_update`` rules' verdicts on what is known before the actor update; any verdict means the update
+        is not applied (a skip, or a skip escalated to ``stop_checkpoint``). :meth:`step` logs them with the step.
+
+        Args:
+            step: verl's ``global_steps``.
+            batch: the step's fields for the monitor (old and rollout log-probs, routing), or ``None``.
+            metrics: what verl and the transport measured so far this step (``rollout_corr/*``,
+                ``stable/routing/transport/*``).
+        """
+        if not self.skips_updates:
+            return []
+        known = dict(metrics)
+        if self.config.monitor.enable and batch is not None:
+            known.update(self.batch_metrics(batch, record=False))
+        verdicts = self.guard.observe(step, known, phase="before_update")
+        self._pending.extend(verdicts)
+        return verdicts
 
     def wants_routing(self, step: int) -> bool:
         """Whether this step's routing fields should be fetched."""
         interval = self.config.monitor.routing_interval
         return self.config.monitor.enable and interval > 0 and step % interval == 0
 
-    def batch_metrics(self, batch: MonitorBatch) -> dict[str, float]:
-        """The ``stable/`` metrics of one step's batch (each group skipped when its fields are absent)."""
+    def batch_metrics(self, batch: MonitorBatch, record: bool = True) -> dict[str, float]:
+        """The ``stable/`` metrics of one step's batch (each group skipped when its fields are absent).
+
+        ``record=False`` leaves the cross-step state (the entropy window) as it is: a look before the update.
+        """
         cfg = self.config.monitor
         t = batch.tokens
         valid = t.get("loss_mask", t["response_mask"])
@@ -252,7 +280,7 @@ class StepMonitor:
         if "entropy" in t:
             ent = M.entropy_metrics(t["entropy"], valid)
             out.update(ent)
-            if "stable/entropy/mean" in ent:
+            if "stable/entropy/mean" in ent and record:
                 self._entropy.append(ent["stable/entropy/mean"])
                 slope = M.window_slope(list(self._entropy))
                 if slope is not None:
@@ -315,8 +343,11 @@ class StepMonitor:
             metrics.update(self.batch_metrics(batch))
         if self.guard is None:
             return []
-        verdicts = self.guard.observe(step, metrics)
+        pending, self._pending = self._pending, []
+        verdicts = pending + self.guard.observe(step, metrics)
         metrics.update(self.guard.metrics(verdicts))
+        if self.guard.skips_updates:
+            metrics[f"{GUARD}skipped_updates"] = float(sum(v.skips for v in pending))
         for rule, names in self.guard.missing.items():
             self._warn_once(f"missing:{rule}", f"guard rule {rule!r} has none of its metrics {list(names)}")
         return verdicts
