@@ -3,9 +3,9 @@
 # Test files run on VERL_STABLE_TEST_WORKERS pytest-xdist workers (default: 2 on a host with >= 2 cores, else 1);
 # `--dist loadfile` keeps a file on one worker, so a module's shared verl run starts once. Most of the suite's time is
 # the end-to-end runs of verl (and of vLLM's CPU build), which are CPU-bound: on a 2-core host two workers gain little
-# (1324 tests: 35m07s with two on an otherwise idle 2-core host, session 11; 1175 tests: 22m20s, 24m17s with the
-# install; the growth is mostly the 2-worker reproducibility run with verl's own sync trainer and the side-by-side
-# lab runs), on more cores they overlap. Extra arguments go to pytest (`-n 0`: one process).
+# (1348 tests: 39m31s with two on a 2-core host also running other checks, session 12, plus the 2 tests of one
+# guard skip_update run added after it, ~2 min; 1324: 35m07s, session 11; 1175: 22m20s), on more cores they overlap.
+# Extra arguments go to pytest (`-n 0`: one process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
