@@ -67,19 +67,29 @@ def test_list_prints_presets_and_variants():
 
 
 @pytest.mark.e2e
-def test_mini_preset_end_to_end(tmp_path):
-    """verl's main_ppo on CPU for one R3 run of two steps; report, plots and metrics agree; R3 disagreement is 0."""
+def test_mini_preset_end_to_end(tmp_path, monkeypatch):
+    """verl's main_ppo on CPU for two R3 runs (seeds 0 and 1) of two steps, side by side; report, plots and metrics
+    agree; R3 disagreement is 0.
+
+    Issue #30 in the same sweep (one verl start per run for both questions): two verl starts at once (jobs=2, the
+    conditions a sweep flaked under) must both log every step. The second run's first attempt is made to fail in
+    Ray's start-up (the test-only switch): verl really starts, ``ray.init`` raises, the sweep retries the run once
+    while the other one is still starting, and the report and the command's output name the retry.
+    """
     from verl_stable.transport.boundary import BOUNDARY_COLUMNS
 
     out = tmp_path / "lab"
     lines = []
-    rc = cli.main(["--preset", "mini", "--out", str(out), "--timeout", "900"], out=lines.append)
+    monkeypatch.setenv(sweep.FORCE_START_FAILURE_ENV, "minirl_r3__N2__s1")
+    argv = ["--preset", "mini", "--seeds", "0", "1", "--jobs", "2", "--out", str(out)]
+    rc = cli.main([*argv, "--timeout", "900"], out=lines.append)
+    logs = {s: (out / "runs" / f"minirl_r3__N2__s{s}" / "main_ppo.log") for s in (0, 1)}
+    assert rc == 0, "\n\n".join(p.read_text()[-4000:] for p in logs.values() if p.exists())
     run_dir = out / "runs" / "minirl_r3__N2__s0"
-    assert rc == 0, (run_dir / "main_ppo.log").read_text()[-6000:]
-    rows = sweep.load_rows(out)
-    assert [r["step"] for r in rows] == [1, 2]
-    for row in rows:
-        assert (row["variant"], row["staleness"], row["seed"]) == ("minirl_r3", 2, 0)
+    all_rows = sweep.load_rows(out)
+    assert sorted((r["seed"], r["step"]) for r in all_rows) == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    for row in all_rows:
+        assert (row["variant"], row["staleness"]) == ("minirl_r3", 2)
         assert report.metric(row, "routing_disagreement") == 0.0  # R3: updates used exactly the rollout's routing
         assert report.metric(row, "router_disagreement") is not None
         assert max(row.get(k, 0) for k in ("stable/routing/replayed_rows", "actor/stable/routing/replayed_rows")) > 0
@@ -100,16 +110,26 @@ def test_mini_preset_end_to_end(tmp_path):
         assert ids_bytes % transport["recorded_rows"] == 0  # a whole number of bytes per recorded row
         assert any(k.startswith("stable/routing/load/") for k in row)
     text = (out / "report.md").read_text()
-    late = rows[-1]["critic/score/mean"]  # the last half of two steps: step 2
-    assert f"| minirl_r3 | 2 | 1 | 2 | {late:.3f} |" in text
+    late = sum(r["critic/score/mean"] for r in all_rows if r["step"] == 2) / 2  # the last half of two steps: step 2
+    assert f"| minirl_r3 | 2 | 2 | 2 | {late:.3f} [" in text
     assert "routing disagreement with the rollout 0.000" in text
     assert (out / "plots" / "regime_N2.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads((out / "coldstart.json").read_text())["expected_reward"] > 0
-    # resumable: a second invocation reuses the finished run and rewrites the same report
+    # the retried start-up: both runs logged every step, side by side, and the report names the retry
+    records = {r["seed"]: r for r in report.run_records(out)}
+    assert (records[0]["attempts"], records[0]["retried"]) == (1, None)
+    assert records[1]["attempts"] == 2 and "NotADirectoryError" in records[1]["retried"]  # Ray's real refusal
+    assert max(r["started"] for r in records.values()) < min(r["finished"] for r in records.values())
+    (aside,) = (out / "runs" / "minirl_r3__N2__s1" / "superseded").iterdir()
+    assert "/dev/null/forced_start_failure" in (aside / "main_ppo.log").read_text()
+    assert "2 run(s) recorded: 2 finished, 1 retried once after a start-up failure, 0 failed." in text
+    assert "Retried: `minirl_r3__N2__s1`" in text
+    # resumable: a second invocation reuses the finished runs and rewrites the same report
+    monkeypatch.delenv(sweep.FORCE_START_FAILURE_ENV)
     mtime = (run_dir / "metrics.jsonl").stat().st_mtime
-    assert cli.main(["--preset", "mini", "--out", str(out)], out=lines.append) == 0
+    assert cli.main(argv, out=lines.append) == 0
     assert (run_dir / "metrics.jsonl").stat().st_mtime == mtime
-    assert sweep.load_rows(out) == rows
+    assert sweep.load_rows(out) == all_rows
 
 
 def test_parallel_sweep_overlaps_runs_and_keeps_preset_order(tmp_path, monkeypatch):
@@ -150,32 +170,3 @@ def test_parallel_sweep_overlaps_runs_and_keeps_preset_order(tmp_path, monkeypat
     assert stream.getvalue().splitlines()[-1].startswith("[") and " 6/6 steps" in stream.getvalue()
     with pytest.raises(ValueError, match="jobs must be >= 1"):
         sweep.run_sweep(tmp_path / "out", preset, jobs=0)
-
-
-@pytest.mark.e2e
-def test_two_runs_side_by_side_both_finish(tmp_path, monkeypatch):
-    """Issue #30: two verl starts at once (jobs=2, the conditions a sweep flaked under) must both log every step.
-
-    The second run's first attempt is made to fail in Ray's start-up (the test-only switch): verl really starts,
-    ``ray.init`` raises, the sweep retries the run once while the other one is still starting, and the report and
-    the command's output name the retry.
-    """
-    out = tmp_path / "lab"
-    monkeypatch.setenv(sweep.FORCE_START_FAILURE_ENV, "minirl_r3__N2__s1")
-    lines = []
-    argv = ["--preset", "mini", "--seeds", "0", "1", "--steps", "1", "--jobs", "2", "--out", str(out)]
-    rc = cli.main([*argv, "--timeout", "900"], out=lines.append)
-    logs = {s: (out / "runs" / f"minirl_r3__N2__s{s}" / "main_ppo.log") for s in (0, 1)}
-    assert rc == 0, "\n\n".join(p.read_text()[-4000:] for p in logs.values() if p.exists())
-    rows = sweep.load_rows(out)
-    assert sorted((r["seed"], r["step"]) for r in rows) == [(0, 1), (1, 1)]
-    records = {r["seed"]: r for r in report.run_records(out)}
-    assert (records[0]["attempts"], records[0]["retried"]) == (1, None)
-    assert records[1]["attempts"] == 2 and "NotADirectoryError" in records[1]["retried"]  # Ray's real refusal
-    # the two runs overlapped in time: side by side, not one after the other
-    assert max(r["started"] for r in records.values()) < min(r["finished"] for r in records.values())
-    (aside,) = (out / "runs" / "minirl_r3__N2__s1" / "superseded").iterdir()
-    assert "/dev/null/forced_start_failure" in (aside / "main_ppo.log").read_text()
-    text = (out / "report.md").read_text()
-    assert "2 run(s) recorded: 2 finished, 1 retried once after a start-up failure, 0 failed." in text
-    assert "Retried: `minirl_r3__N2__s1`" in text
