@@ -42,7 +42,7 @@ to ``stable/routing/...`` and add one value per update mini-step):
 * ``stable/routing/compared_rows``, ``replayed_rows``, ``missing_rows``, ``padding_rows``, ``recorded_rows``: row
   counts.
 * ``stable/routing/coverage/<count>`` (replaying passes only: R3, and R2's update): the replay coverage of the
-  micro-batch in (token, MoE layer) rows, :data:`~verl_stable.monitor.routing_metrics.COVERAGE_COUNTS` (classes
+  micro-batch in (token, MoE layer) rows, :data:`~verl_stable.metric_names.COVERAGE_COUNTS` (classes
   in :mod:`verl_stable.routing.replay_pass`), counted on the whole micro-batch before any Ulysses slicing.
 * ``stable/routing/transport/<count>`` for :data:`~verl_stable.transport.side_rows.SIDE_READ_COUNTS` (batches
   carrying the rollout's compact routing): the rank's TransferQueue reads of shared prompt rows since its last
@@ -80,7 +80,7 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.metric import AggregationType, Metric
 
 from verl_stable.integration.losses import relabel_stable_metrics
-from verl_stable.monitor.routing_metrics import COVERAGE
+from verl_stable.metric_names import COVERAGE, TRANSPORT
 from verl_stable.routing import alignment
 from verl_stable.routing.checks import check_id_range
 from verl_stable.routing.disagreement import expert_sets_differ
@@ -101,7 +101,6 @@ from verl_stable.routing.replay_pass import (
     token_roles,
 )
 from verl_stable.routing.trace import MISSING
-from verl_stable.transport.boundary import TRANSPORT_METRIC_PREFIX
 from verl_stable.transport.expansion import expand_compact_routing, without_compact_fields
 from verl_stable.transport.fields import IDS_FIELD
 from verl_stable.transport.side_rows import SharedRowReader
@@ -270,9 +269,9 @@ class RouterReplayMixin:
             for name, count in (coverage or {}).items():
                 metrics[f"{COVERAGE}/{name}"] = Metric(aggregation=AggregationType.SUM, value=count * dp_size)
             for name, count in (side_reads or {}).items():
-                metrics[TRANSPORT_METRIC_PREFIX + name] = Metric(aggregation=AggregationType.SUM, value=count * dp_size)
+                metrics[TRANSPORT + name] = Metric(aggregation=AggregationType.SUM, value=count * dp_size)
             if side_reads is not None:
-                metrics[f"{TRANSPORT_METRIC_PREFIX}side_reads_per_rank"] = Metric(
+                metrics[f"{TRANSPORT}side_reads_per_rank"] = Metric(
                     aggregation=AggregationType.SUM, value=side_reads["side_reads"]
                 )
         return loss, output

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from verl_stable.metric_names import COVERAGE, COVERAGE_COUNTS  # noqa: F401 - COVERAGE_COUNTS: module API
+from verl_stable.metric_names import COVERAGE, COVERAGE_COUNTS
 from verl_stable.monitor.common import ROUTING, check_bool, check_int, check_real, check_tensor, type_name, valid_mask
 
 

@@ -274,7 +274,7 @@ def coverage_counts(
         padding_tokens: model-input positions that are no token.
 
     Returns:
-        ``{name: count}`` for every name of :data:`~verl_stable.monitor.routing_metrics.COVERAGE_COUNTS`.
+        ``{name: count}`` for every name of :data:`~verl_stable.metric_names.COVERAGE_COUNTS`.
 
     Raises:
         ValueError: If the shapes disagree or ``padding_tokens`` is negative.
