@@ -103,6 +103,10 @@ def test_run_sweep_refuses_an_unknown_only_before_preparing(tmp_path, no_work):
         (["--router-noise", "-0.1"], "argument --router-noise: expected a finite number >= 0, got '-0.1'"),
         (["--router-noise", "inf"], "argument --router-noise: expected a finite number >= 0, got 'inf'"),
         (["--engine", "vllm", "--router-noise", "0.3"], "router_noise is an hf-backend option, engine is 'vllm'"),
+        (["--variants", "ppo"], "argument --variants: invalid choice: 'ppo'"),
+        (["--variants", "dppo", "dppo"], "runs must be distinct"),
+        (["--staleness", "3"], "argument --staleness: invalid choice: 3"),
+        (["--variants", "dppo", "--only", "minirl_r3"], "--only ['minirl_r3'] names no run of preset 'default'"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_work(tmp_path, no_work, capsys, args, expected):

@@ -239,3 +239,50 @@ def test_clipping_is_judged_on_reward_not_on_the_fraction_it_clips():
     assert "| off-policy N = 8: mismatch + staleness | clipping | **yes** | late reward 0.523" in R.answer_table(
         [result]
     )
+
+
+# ------------------------------------------------------------------------------------------- verl's own answers
+def test_baselines_are_judged_on_reward_with_r3s_kl_shown_not_judged():
+    # R3's KL 40x lower on every seed (a finding for the R3 switch), the reward the same: against verl's TIS that is
+    # no effect, since R3's pi_old (rollout routing) and the baseline's (its own routing) are not the same quantity
+    rows = _seeded("minirl_r3", 4, kl=[2e-5, 3e-5, 2.5e-5], reward=[0.35, 0.45, 0.5])
+    rows += _seeded("verl_tis", 4, kl=[1e-3, 1.2e-3, 0.9e-3], reward=[0.3, 0.5, 0.46])
+    (result,) = R.switch_results(R.summarize(rows))
+    assert result.switch.name == "MiniRL + R3 over verl TIS" and result.switch in R.BASELINES
+    judged = {c.metric: good for c, good in result.comparisons}
+    assert judged == {"late_reward": "higher", "kl_k3_median": None}  # no entropy logged; no clipped fraction
+    kl = next(c for c, _ in result.comparisons if c.metric == "kl_k3_median")
+    assert kl.verdict == "lower"  # found, and still not what decides
+    table = R.answer_table([result], baselines=True)
+    assert "| regime | comparison | MiniRL + R3 ahead? |" in table.splitlines()[0]
+    assert "| off-policy N = 4: mismatch + staleness | MiniRL + R3 over verl TIS | no effect measured |" in table
+
+
+def test_a_baseline_ahead_on_reward_is_said_so():
+    rows = _seeded("minirl_r3", 8, kl=[2e-5] * 3, reward=[0.2, 0.21, 0.25])
+    rows += _seeded("vanilla_grpo", 8, kl=[1e-3] * 3, reward=[0.6, 0.62, 0.61])
+    table = R.answer_table(R.switch_results(R.summarize(rows)), baselines=True)
+    assert "| MiniRL + R3 over GRPO | no: the baseline is ahead | late reward 0.220" in table
+
+
+def test_dppo_has_no_train_inference_kl_and_is_judged_on_reward_alone(tmp_path):
+    # verl's bypass mode: pi_old is the rollout's log-probs, so the monitor logs KL(mu||pi_old) = 0 and F(2) = 0
+    rows = _seeded("minirl_r3", 4, kl=[2e-5, 3e-5, 2.5e-5], reward=[0.5, 0.52, 0.55])
+    dppo = _seeded("dppo", 4, kl=[0.0] * 3, reward=[0.3, 0.33, 0.31])
+    for row in dppo:
+        row["stable/train_inf/extreme_frac_tau2"] = 0.0
+    rows += dppo
+    assert R.metric(dppo[0], "kl_k3") is None and R.metric(dppo[0], "f2") is None
+    assert R.metric({**dppo[0], "variant": "verl_tis"}, "kl_k3") == 0.0  # a measured 0 elsewhere stays a 0
+    cells = R.summarize(rows)
+    cell = next(c for c in cells if c.variant == "dppo")
+    assert cell.interval("kl_k3_median") is None and cell.interval("f2") is None
+    dppo_line = next(line for line in R.table(cells).splitlines() if line.startswith("| dppo |"))
+    assert "0.0e+00" not in dppo_line and "| - | - | - |" in dppo_line  # mean KL, median-step KL, F(2)
+    (result,) = R.switch_results(cells)
+    assert [c.metric for c, _ in result.comparisons] == ["late_reward"]
+    assert "| MiniRL + R3 over DPPO | **yes** | late reward 0.523" in R.answer_table([result], baselines=True)
+    text = R.render_markdown(rows)
+    own, _, against = text.partition("## Against verl's own answers: is MiniRL + R3 ahead?")
+    assert "No switch has both of its variants at one N in these runs." in own and "MiniRL + R3 over DPPO" in against
+    assert "bypass mode" in against

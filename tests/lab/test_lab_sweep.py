@@ -19,6 +19,10 @@ def test_presets_cover_the_issue():
     assert {("reinforce_no_is", 1), ("minirl", 1)} <= set(evidence.runs)  # the IS weight on-policy
     assert {(v, 4) for v in ("minirl", "minirl_r2", "minirl_r3", "vespo")} <= set(evidence.runs)  # replay, VESPO
     assert {("minirl", 8), ("minirl_noclip", 8)} <= set(evidence.runs)  # clipping under staleness
+    baselines = {"verl_tis", "dppo", "vanilla_grpo"}  # verl's own answers (issue #27, part 2)
+    assert {(v, 4) for v in baselines} <= set(evidence.runs)
+    assert set(sweep.PRESETS["baselines"].runs) == {(v, n) for v in baselines | {"minirl_r3"} for n in (1, 4, 8)}
+    assert len(sweep.PRESETS["baselines"].seeds) >= 3
     for preset in sweep.PRESETS.values():  # one measured setting for every preset (docs/lab.md)
         assert (preset.precision, preset.top_k, preset.router_noise) == ("int4", 2, 0.0)
     full = sweep.PRESETS["full"]
@@ -56,6 +60,38 @@ def test_complete_runs_are_recognised_and_skipped(tmp_path):
     assert seen == [3]
     (tmp_path / "r" / "done.json").unlink()
     assert not sweep.is_complete(tmp_path / "r", ov, 3)
+
+
+def test_regrid_runs_the_named_variants_at_the_named_staleness():
+    default = sweep.PRESETS["default"]  # minirl, minirl_r3 at N = 4
+    assert default.regrid() is default and default.regrid([], []) is default
+    assert default.regrid(["minirl_r3", "dppo"]).runs == (("minirl_r3", 4), ("dppo", 4))
+    assert default.regrid(staleness=[8, 1]).runs == (("minirl", 8), ("minirl", 1), ("minirl_r3", 8), ("minirl_r3", 1))
+    evidence = sweep.PRESETS["evidence"].regrid(["verl_tis"])  # the preset's N in their first-seen order
+    assert evidence.runs == (("verl_tis", 1), ("verl_tis", 4), ("verl_tis", 8))
+    assert (evidence.seeds, evidence.steps) == (sweep.PRESETS["evidence"].seeds, sweep.PRESETS["evidence"].steps)
+    with pytest.raises(ValueError, match="unknown variant"):
+        default.regrid(["ppo"])
+    with pytest.raises(ValueError, match="N must be one of"):
+        default.regrid(staleness=[3])
+    with pytest.raises(ValueError, match="runs must be distinct"):
+        default.regrid(["dppo", "dppo"])
+
+
+def test_cli_variants_and_staleness_choose_the_runs(tmp_path, monkeypatch):
+    seen = {}
+
+    def fake_check(out, preset, **kwargs):
+        seen["preset"] = preset
+        raise ValueError("stop here: nothing is run")
+
+    monkeypatch.setattr(sweep, "check_sweep", fake_check)
+    argv = ["--out", str(tmp_path / "lab"), "--variants", "minirl_r3", "verl_tis", "--staleness", "8", "1"]
+    with pytest.raises(SystemExit):
+        cli.main(argv, out=lambda _: None)
+    preset = seen["preset"]
+    assert preset.runs == (("minirl_r3", 8), ("minirl_r3", 1), ("verl_tis", 8), ("verl_tis", 1))
+    assert preset.seeds == sweep.PRESETS["default"].seeds
 
 
 def test_list_prints_presets_and_variants():

@@ -3,6 +3,8 @@
     verl-stable lab                       # default preset: R3 vs no replay at N = 4, 3 seeds (<= 10 min on 2 cores)
     verl-stable lab --preset evidence --out ./lab_evidence   # the full comparison, 3 seeds (<= 60 min)
     verl-stable lab --seeds 3 4 5 --out ./lab_rerun          # the same question on other seeds
+    verl-stable lab --preset baselines --out ./lab_baselines  # MiniRL + R3 vs verl's TIS, DPPO, GRPO at N = 1, 4, 8
+    verl-stable lab --variants minirl_r3 verl_tis dppo vanilla_grpo --staleness 8   # these variants, at N = 8
     verl-stable lab --list                # presets and variants
     verl-stable lab --report-only --out ./lab   # re-render the report from the runs on disk
 
@@ -25,7 +27,7 @@ from dataclasses import replace
 
 from verl_stable.argtypes import non_negative_float, positive_int, positive_seconds, resolve_path
 from verl_stable.lab.presets import MAX_SEED
-from verl_stable.lab.variants import PRECISIONS
+from verl_stable.lab.variants import PRECISIONS, STALENESS_CHOICES, VARIANTS
 from verl_stable.toy.launch import ENGINES
 
 
@@ -43,14 +45,13 @@ def _seed(text: str) -> int:
 
 def _list(out: Callable[[str], None]) -> None:
     from verl_stable.lab.sweep import PRESETS
-    from verl_stable.lab.variants import VARIANTS
 
     out("presets:")
     for p in PRESETS.values():
         runs = ", ".join(f"{v}@N{n}" for v, n in p.runs)
         noise = f" router_noise={p.router_noise}" if p.router_noise else ""
         out(
-            f"  {p.name:<8} steps={p.steps} seeds={list(p.seeds)} task={p.task} top_k={p.top_k} "
+            f"  {p.name:<9} steps={p.steps} seeds={list(p.seeds)} task={p.task} top_k={p.top_k} "
             f"precision={p.precision}{noise}: {runs}"
         )
     out("variants:")
@@ -82,6 +83,21 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
         type=non_negative_float,
         help="hf rollout: sigma of the inference-only router perturbation (0: off; a labelled stand-in, not a format)",
     )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=list(VARIANTS),
+        metavar="VARIANT",
+        help="run these variants instead of the preset's, at the preset's N (or --staleness); see --list",
+    )
+    parser.add_argument(
+        "--staleness",
+        nargs="+",
+        type=int,
+        choices=STALENESS_CHOICES,
+        metavar="N",
+        help=f"run the preset's variants (or --variants) at these N instead of the preset's; of {STALENESS_CHOICES}",
+    )
     parser.add_argument("--only", nargs="+", help="run names starting with these (e.g. minirl_r3__N4)")
     parser.add_argument("--timeout", type=positive_seconds, help="per-run wall-clock limit in seconds")
     parser.add_argument(
@@ -104,8 +120,10 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
         # the router perturbation is an hf-backend stand-in; vLLM brings its own mismatch
         "router_noise": 0.0 if args.engine == "vllm" and args.router_noise is None else args.router_noise,
     }
+    regrid = bool(args.variants or args.staleness)
     try:
         preset = replace(preset, **{k: v for k, v in changes.items() if v is not None})
+        preset = preset.regrid(args.variants, args.staleness)
         specs = preset.select(args.only)
     except ValueError as exc:
         parser.error(str(exc))
@@ -161,7 +179,12 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
             print(f"no metrics to report: none of {len(specs)} run(s) logged a step", file=sys.stderr)
             return 1
     header = {
-        "preset": preset.name,
+        "preset": preset.name
+        + (
+            f" (runs set by --variants / --staleness: {', '.join(f'{v}@N{n}' for v, n in preset.runs)})"
+            if regrid
+            else ""
+        ),
         "task": f"{preset.task} (exact-match binary reward)",
         "model": f"tiny Qwen3-MoE, 4 layers, 16 experts, top-{preset.top_k}",
         "rollout": (

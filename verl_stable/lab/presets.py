@@ -8,7 +8,7 @@ known precision); :data:`PRESETS` are the shipped ones (``verl-stable lab --list
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from verl_stable.lab import variants as V
 from verl_stable.lab.coldstart import ColdStartConfig
@@ -104,6 +104,23 @@ class Preset:
 
         launch.engine_overrides(self.engine, self.precision, True)  # ValueError: unknown engine, precision it lacks
 
+    def regrid(self, variants: Sequence[str] | None = None, staleness: Sequence[int] | None = None) -> Preset:
+        """This preset with its runs replaced by every one of ``variants`` at every one of ``staleness``.
+
+        Either left out (None or empty) keeps the preset's own: its variants, or the N it runs, in the order they
+        first appear in its runs. ``verl-stable lab --variants minirl_r3 dppo`` is the default preset's question (its
+        N, seeds, steps, scale) asked of those two variants.
+
+        Raises:
+            ValueError: An unknown variant, an N outside {1, 2, 4, 8}, or one given twice.
+        """
+        if not variants and not staleness:
+            return self
+        own_variants = tuple(dict.fromkeys(v for v, _ in self.runs))
+        own_staleness = tuple(dict.fromkeys(n for _, n in self.runs))
+        runs = tuple((v, n) for v in (variants or own_variants) for n in (staleness or own_staleness))
+        return replace(self, runs=runs)  # __post_init__ checks the variants, the N and that no run repeats
+
     def run_specs(self) -> list[RunSpec]:
         return [RunSpec(v, n, s) for s in self.seeds for v, n in self.runs]
 
@@ -135,8 +152,8 @@ PRESETS: dict[str, Preset] = {
             steps=8,
             seeds=(0, 1, 2),
         ),
-        # the full comparison (<= 60 min on 2 cores): the IS weight on-policy, R2 / R3 / VESPO at N = 4, clipping at
-        # N = 8; 3 seeds each
+        # the full comparison (<= 60 min on 2 cores): the IS weight on-policy, R2 / R3 / VESPO and verl's own answers
+        # (token TIS, DPPO, plain GRPO) at N = 4, clipping at N = 8; 3 seeds each
         Preset(
             "evidence",
             runs=(
@@ -146,9 +163,20 @@ PRESETS: dict[str, Preset] = {
                 ("minirl_r2", 4),
                 ("minirl_r3", 4),
                 ("vespo", 4),
+                ("verl_tis", 4),
+                ("dppo", 4),
+                ("vanilla_grpo", 4),
                 ("minirl", 8),
                 ("minirl_noclip", 8),
             ),
+            steps=8,
+            seeds=(0, 1, 2),
+        ),
+        # MiniRL + R3 against verl's own answers at each staleness regime: on-policy (mismatch only), N = 4 and N = 8
+        # (mismatch + staleness); 3 seeds each
+        Preset(
+            "baselines",
+            runs=tuple((v, n) for n in (1, 4, 8) for v in ("minirl_r3", "verl_tis", "dppo", "vanilla_grpo")),
             steps=8,
             seeds=(0, 1, 2),
         ),

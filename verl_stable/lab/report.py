@@ -6,15 +6,16 @@ This module assembles the report from its parts and is where callers import it f
   number per seed (late reward, final entropy, KL(mu||pi_old) mean and median step, F(2), routing disagreement,
   clipped fraction);
 * :mod:`verl_stable.lab.outcomes`: the sweep's record of each run (retried, failed, why);
-* :mod:`verl_stable.lab.switches`: each switch of the paper (the IS weight, R2, R3, clipping, VESPO) at each N,
-  compared by :func:`verl_stable.lab.stats.compare` (a paired t-test over the seeds both sides ran; Welch's when none
-  pairs);
+* :mod:`verl_stable.lab.switches`: each switch of the paper (the IS weight, R2, R3, clipping, VESPO) at each N, and
+  MiniRL + R3 against verl's own answers (token TIS, DPPO, plain GRPO), compared by
+  :func:`verl_stable.lab.stats.compare` (a paired t-test over the seeds both sides ran; Welch's when none pairs);
 * :mod:`verl_stable.lab.report_tables`: the answer table, the table per cell, every comparison with its rule;
 * :mod:`verl_stable.lab.figures`: one figure per regime (reward, entropy, KL, clipped fraction, routing disagreement
   per step, the mean over seeds with the band from the lowest to the highest seed).
 
-The report starts with the answer (for each regime and switch, whether the switch changed what it should), then the
-runs, the setup, the table per cell, the comparisons in full, the observations, the limits and the figures.
+The report starts with the answer (for each regime and switch, whether the switch changed what it should; then
+whether MiniRL + R3 is ahead of each of verl's own answers that ran), then the runs, the setup, the table per cell,
+the comparisons in full, the observations, the limits and the figures.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 from verl_stable.lab.figures import PLOTTED, plot_regimes
 from verl_stable.lab.outcomes import OUTCOME_NAME, run_records, runs_section
 from verl_stable.lab.report_tables import (
+    BASELINE_RULE,
     DIGITS,
     RULE,
     TABLE_FIELDS,
@@ -49,9 +51,20 @@ from verl_stable.lab.summaries import (
     summarize,
     summarize_run,
 )
-from verl_stable.lab.switches import JUDGED, REWARD_JUDGED, SWITCHES, Switch, SwitchResult, regime_name, switch_results
+from verl_stable.lab.switches import (
+    BASELINES,
+    JUDGED,
+    REWARD_JUDGED,
+    SWITCHES,
+    Switch,
+    SwitchResult,
+    regime_name,
+    switch_results,
+)
 
 __all__ = [  # the names callers use from here (lab/cli.py, lab/sweep.py, lab/results.py, tests)
+    "BASELINES",
+    "BASELINE_RULE",
     "DIGITS",
     "JUDGED",
     "LABELS",
@@ -117,9 +130,14 @@ def render_markdown(
     limits, figures. ``runs``: :func:`run_records` (empty: the runs section is left out)."""
     cells = summarize(rows)
     results = switch_results(cells, runs)
+    own = [r for r in results if r.switch not in BASELINES]
+    against = [r for r in results if r.switch in BASELINES]
     lines = ["# verl-stable CPU lab report", "", "## The answer: which switch does each regime need?", ""]
-    lines += [answer_table(results) if results else "No switch has both of its variants at one N in these runs.", ""]
+    lines += [answer_table(own) if own else "No switch has both of its variants at one N in these runs.", ""]
     lines += [RULE, ""]
+    if against:
+        lines += ["## Against verl's own answers: is MiniRL + R3 ahead?", ""]
+        lines += [answer_table(against, baselines=True), "", BASELINE_RULE, ""]
     if runs:
         lines += ["## Runs", ""] + [f"- {s}" for s in runs_section(runs)] + [""]
     if header:

@@ -17,6 +17,13 @@ RULE = (
     "Beside each verdict: the exact sign-flip p, the effect size (mean difference / sd of the differences) and the "
     "unpaired Welch p. A comparison that lacks a seed (its run failed) says which."
 )
+BASELINE_RULE = (
+    "MiniRL + R3 is **ahead** of a baseline of verl's when its late reward is higher by the same test. KL(mu‖pi_old) "
+    "is shown, not judged: R3 computes pi_old with the rollout's routing, so its KL is the mismatch left once routing "
+    "is pinned, the baseline's the whole mismatch. DPPO runs in verl's bypass mode (pi_old is the rollout's "
+    "log-probs): it has no KL(mu‖pi_old) or F(2) of its own, and no pi_old entropy (verl computes it in the pass that "
+    "bypass mode skips)."
+)
 
 
 def fmt(x: float | None, digits: int = 3) -> str:
@@ -94,9 +101,19 @@ def _effect(c: Comparison) -> str:
     return f"{LABELS[c.metric]} {iv}{times}"
 
 
-def answer_table(results: Sequence[SwitchResult]) -> str:
-    """The headline: regime -> switch -> needed? -> the evidence (findings with their test, or why none)."""
-    lines = ["| regime | switch | needed here? | evidence (mean [95 % interval] over seeds, switch on vs off) |"]
+def answer_table(results: Sequence[SwitchResult], baselines: bool = False) -> str:
+    """The headline: regime -> switch -> needed? -> the evidence (findings with their test, or why none).
+
+    ``baselines``: the results are MiniRL + R3 against verl's own answers (``switches.BASELINES``); the verdict then
+    reads "is MiniRL + R3 ahead?".
+    """
+    if baselines:
+        lines = [
+            "| regime | comparison | MiniRL + R3 ahead? | evidence (mean [95 % interval] over seeds, MiniRL + R3 vs "
+            "the baseline) |"
+        ]
+    else:
+        lines = ["| regime | switch | needed here? | evidence (mean [95 % interval] over seeds, switch on vs off) |"]
     lines.append("|---|---|---|---|")
     for r in results:
         if not r.comparisons:
@@ -106,7 +123,7 @@ def answer_table(results: Sequence[SwitchResult]) -> str:
         if helps and not hurts:
             verdict = "**yes**"
         elif hurts and not helps:
-            verdict = "no: it hurts"
+            verdict = "no: the baseline is ahead" if baselines else "no: it hurts"
         elif helps and hurts:
             verdict = "mixed"
         else:
@@ -156,9 +173,10 @@ def observations(cells: Sequence[CellSummary]) -> list[str]:
                 f"R3, N={r3.staleness}: routing disagreement with the rollout {fmt(d)} (0 when the replay works: "
                 f"{'yes' if d == 0 else 'NO'}); the router's own choice differs on {fmt(hidden)} of the rows."
             )
+    no_replay = ("minirl", "reinforce_no_is", "minirl_noclip", "vespo", "vanilla_grpo", "verl_tis", "dppo")
     for c in cells:
         d = c.mean("routing_disagreement")
-        if c.variant in ("minirl", "reinforce_no_is", "minirl_noclip", "vespo", "vanilla_grpo") and d is not None:
+        if c.variant in no_replay and d is not None:
             out.append(
                 f"Without replay ({c.variant}, N={c.staleness}) the updates routed {fmt(d)} of the (token, MoE layer) "
                 "rows to other experts than the rollout (observed, not replayed)."

@@ -9,7 +9,8 @@ Each run is summarised by one number per metric (:func:`summarize_run`): late re
 median over the steps of KL(mu || pi_old) (k3, ``E_mu[r - 1 - log r]``, ``r = pi_old / mu``), and the means over the
 steps of F(2) (fraction of tokens with ``pi_old / mu`` outside ``[1/2, 2]``), the routing disagreement (rows whose used
 experts differ from the rollout's, or pi_old's under R2), the router's own disagreement (what replay hides) and the
-clipped fraction. A (variant, N) cell (:class:`CellSummary`) holds one such number per seed.
+clipped fraction. A (variant, N) cell (:class:`CellSummary`) holds one such number per seed. A variant in verl's
+bypass mode (pi_old is the rollout's log-probs: :data:`PI_OLD_IS_ROLLOUT`) has no KL(mu || pi_old) or F(2).
 
 The median step's KL is the per-run KL that comparisons judge: a run's mean KL is one spiking step (a routing flip
 can raise a step's KL 100x) divided by the step count, while the median does not move for a single spike among three
@@ -37,13 +38,23 @@ METRICS: dict[str, tuple[str, ...]] = {
     "router_disagreement": ("actor/stable/routing/router_disagreement", "stable/routing/router_disagreement"),
     "clip_frac": ("actor/pg_clipfrac",),
 }
+# Variants that run verl's bypass mode (``rollout_correction.bypass_mode = true``: pi_old := mu, the rollout's
+# log-probs; ``variants.pi_old_is_rollout``). Their logged KL(mu || pi_old) and F(2) compare mu with itself, 0 by
+# construction: not a measurement of the train-inference mismatch, so read as not logged.
+PI_OLD_IS_ROLLOUT = frozenset({"dppo"})
+TRAIN_INFERENCE = ("kl_k3", "f2")
 GUARD_PREFIX = "stable/guard/"
 MINIRL_MASKED = ("actor/MiniRL/masked_frac_low", "actor/MiniRL/masked_frac_high")
 REQUIRED_FIELDS = ("variant", "staleness", "seed", "step")
 
 
 def metric(row: Mapping, name: str) -> float | None:
-    """The value of summary metric ``name`` in a step row (first logged key of :data:`METRICS`), else None."""
+    """The value of summary metric ``name`` in a step row (first logged key of :data:`METRICS`), else None.
+
+    None too for a train-inference metric of a variant whose pi_old is the rollout's (:data:`PI_OLD_IS_ROLLOUT`).
+    """
+    if name in TRAIN_INFERENCE and row.get("variant") in PI_OLD_IS_ROLLOUT:
+        return None
     if name == "clip_frac" and METRICS["clip_frac"][0] not in row and any(k in row for k in MINIRL_MASKED):
         return sum(float(row.get(k) or 0.0) for k in MINIRL_MASKED)
     for key in METRICS[name]:

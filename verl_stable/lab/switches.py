@@ -1,4 +1,5 @@
-"""The paper's switches as the lab measures them: variant ``a`` (switch on) against ``b`` (off) at each staleness N.
+"""The paper's switches as the lab measures them: variant ``a`` (switch on) against ``b`` (off) at each staleness N;
+and MiniRL + R3 against verl's own answers to the same problem (token TIS, DPPO, plain GRPO: :data:`BASELINES`).
 
 For each switch and N where both variants ran, every judged metric is compared by :func:`verl_stable.lab.stats.compare`
 (the paired test over the seeds both sides have; Welch's when they share none), and the seeds a side lacks or whose
@@ -19,6 +20,15 @@ from verl_stable.lab.summaries import CellSummary, cells_of, log_scale
 # one spiking step: verl_stable.lab.summaries).
 JUDGED = (("kl_k3_median", "lower"), ("clip_frac", "lower"), ("late_reward", "higher"), ("final_entropy", None))
 REWARD_JUDGED = (("late_reward", "higher"), ("final_entropy", None), ("kl_k3_median", None))
+# MiniRL + R3 against a baseline of verl's: judged on what a user adopts either for, the reward. Not on
+# KL(mu||pi_old): R3 computes pi_old with the rollout's routing replayed, so its KL is the mismatch left once routing
+# is pinned (numerics only), the baseline's the whole mismatch its IS weight (or nothing) must absorb; R3's is lower
+# by design (the mechanism, judged by the R3 switch), so it is shown beside, not judged. Not on the clipped fraction:
+# each loss clips against its own trust region (MiniRL's ratio mask [0.8, 1.27], PPO's [0.8, 1.2] with dual clip,
+# DPPO's TV bound), so the fractions count different things.
+BASELINE_JUDGED = REWARD_JUDGED
+# DPPO runs in verl's bypass mode (pi_old := mu): it has no KL(mu||pi_old) to show (summaries.PI_OLD_IS_ROLLOUT)
+DPPO_JUDGED = (("late_reward", "higher"), ("final_entropy", None))
 
 
 def regime_name(n: int) -> str:
@@ -51,6 +61,31 @@ SWITCHES = (
     Switch("clipping", "minirl", "minirl_noclip", "MiniRL's clipping (trust region) vs none", REWARD_JUDGED),
     Switch("VESPO", "vespo", "minirl", "VESPO (sequence-level reshaping) vs MiniRL", REWARD_JUDGED),
 )
+
+BASELINES = (
+    Switch(
+        "MiniRL + R3 over verl TIS",
+        "minirl_r3",
+        "verl_tis",
+        "MiniRL + R3 vs verl's token TIS (rollout_is=token, threshold 2, vanilla PPO loss, GRPO advantage)",
+        BASELINE_JUDGED,
+    ),
+    Switch(
+        "MiniRL + R3 over DPPO",
+        "minirl_r3",
+        "dppo",
+        "MiniRL + R3 vs verl's DPPO-Binary-TV (TV bound 0.15 against the rollout policy, no replay)",
+        DPPO_JUDGED,
+    ),
+    Switch(
+        "MiniRL + R3 over GRPO",
+        "minirl_r3",
+        "vanilla_grpo",
+        "MiniRL + R3 vs verl's plain GRPO (vanilla PPO loss, no IS correction)",
+        BASELINE_JUDGED,
+    ),
+)
+"""What a verl user would pick instead: does MiniRL + R3 beat what verl already has, at which N, on which measure."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +130,8 @@ def _partial(runs: Sequence[Mapping], variants: Sequence[str], n: int) -> tuple[
 
 
 def switch_results(cells: Sequence[CellSummary], runs: Sequence[Mapping] = ()) -> list[SwitchResult]:
-    """Every switch of :data:`SWITCHES` at every N where both of its variants ran, with the seeds each side lacks.
+    """At every N, every switch of :data:`SWITCHES` and then every comparison of :data:`BASELINES` whose two variants
+    both ran there, with the seeds each side lacks.
 
     Args:
         cells: :func:`verl_stable.lab.summaries.summarize`'s cells.
@@ -104,7 +140,7 @@ def switch_results(cells: Sequence[CellSummary], runs: Sequence[Mapping] = ()) -
     """
     out = []
     for n in sorted({c.staleness for c in cells} | {int(r["staleness"]) for r in runs}):
-        for sw in SWITCHES:
+        for sw in SWITCHES + BASELINES:
             on, off = cells_of(cells, sw.a, n), cells_of(cells, sw.b, n)
             has = {v: set(c[0].run_seeds) if c else set() for v, c in ((sw.a, on), (sw.b, off))}
             tried = {v: has[v] | _recorded_seeds(runs, v, n) for v in (sw.a, sw.b)}

@@ -13,12 +13,28 @@ A variant never carries a loss, estimator or replay of its own: it selects a rec
     minirl_r3         minirl_onpolicy  router_replay.mode = R3 (rollout routing export is on for every run)
     minirl_noclip     minirl_onpolicy  clip_ratio_low = 0.99, clip_ratio_high = 100 (ratio bounds [0.01, 101]: ~no trust region)
     vespo             vespo            (none)
-    vanilla_grpo      minirl_onpolicy  loss_mode = vanilla, adv_estimator = grpo, loss_agg_mode = seq-mean-token-mean
+
+verl's own answers to the same problem (the baselines a verl user would pick instead; each sets the algorithm's keys
+to what verl ships, so the recipe's MiniRL settings do not leak into it):
+
+    variant           recipe           switches
+    ----------------  ---------------  ------------------------------------------------------------------------
+    vanilla_grpo      minirl_onpolicy  plain GRPO: loss_mode = vanilla, adv_estimator = grpo, loss_agg_mode =
+                                       token-mean, clip_ratio_high = 0.2, rollout_is = null, rollout_is_threshold = 2.0
+    verl_tis          minirl_onpolicy  vanilla_grpo's switches with rollout_is = token kept (verl's token TIS,
+                                       threshold 2.0, decoupled): plain GRPO plus the IS weight min(pi_old/mu, 2)
+    dppo              minirl_onpolicy  DPPO-Binary-TV: loss_mode = dppo_tv, clip_ratio(_low/_high) = 0.15 (TV
+                                       bound), clip_ratio_c = 10000, adv_estimator = grpo, norm_adv_by_std_in_grpo
+                                       = false, loss_agg_mode = seq-mean-token-sum-norm, bypass_mode = true,
+                                       rollout_is = null, rollout_is_threshold = 2.0
 
 Measurement switches common to every run (:data:`COMMON_SWITCHES`): the rollout exports its routed experts, so runs
 without replay *observe* the train-inference routing disagreement (the engine records and compares, and changes
 nothing); the monitor's guard logs but does not stop a run, so every run yields all its steps ("guard fired" is read
 from ``stable/guard/*`` in the report); the actor trains in fp32 (verl's FSDP engine defaults to bf16 autocast).
+The rollout's log-probs (mu) are computed for every run (the recipe's ``rollout.calculate_log_probs = true``; verl's
+default is false), so plain GRPO too has its train-inference mismatch measured; no run has a reference model or a KL
+loss (``use_kl_loss = false``, as verl's DPPO example and Dr. GRPO run; verl's GRPO docs suggest one for GRPO).
 """
 
 from __future__ import annotations
@@ -42,6 +58,11 @@ ADV_ESTIMATOR = "algorithm.adv_estimator"
 ROLLOUT_SEED = "actor_rollout_ref.rollout.seed"
 CLIP_LOW = "actor_rollout_ref.actor.clip_ratio_low"
 CLIP_HIGH = "actor_rollout_ref.actor.clip_ratio_high"
+CLIP_RATIO = "actor_rollout_ref.actor.clip_ratio"
+CLIP_RATIO_C = "actor_rollout_ref.actor.clip_ratio_c"
+ROLLOUT_IS_THRESHOLD = "algorithm.rollout_correction.rollout_is_threshold"
+BYPASS_MODE = "algorithm.rollout_correction.bypass_mode"
+NORM_ADV_BY_STD = "algorithm.norm_adv_by_std_in_grpo"
 PRECISION = "+actor_rollout_ref.rollout.engine_kwargs.hf.precision"
 ROUTER_NOISE = "+actor_rollout_ref.rollout.engine_kwargs.hf.router_noise"
 REWARD_PATH = "reward.custom_reward_function.path"
@@ -70,6 +91,63 @@ that warns instead of stopping."""
 
 STALENESS_CHOICES = (1, 2, 4, 8)
 # PRECISIONS (imported above): the rollout precisions of the hf backend, fp8 first (the lab's "inference engine")
+
+# verl 0.9.1's own values, restored where the MiniRL recipe sets its own (the baselines run verl's setup, not MiniRL's)
+VERL_TIS_THRESHOLD = 2.0
+"""``rollout_is_threshold``: verl's default (``trainer/config/algorithm/rollout_correction.yaml``) and that of its
+token-TIS preset ``RolloutCorrectionConfig.decoupled_token_is()``; the MiniRL recipe sets the paper's 5.0."""
+VERL_CLIP = 0.2
+"""PPO's epsilon as verl ships it (``actor.clip_ratio`` / ``_low`` / ``_high``); the MiniRL recipe widens the upper
+bound to 0.27."""
+VERL_LOSS_AGG_MODE = "token-mean"
+"""verl's default aggregation, which its GRPO docs say every verl GRPO example uses (the GRPO paper's is
+seq-mean-token-mean; the MiniRL recipe's seq-mean-token-sum)."""
+
+PLAIN_GRPO: dict[str, Any] = {
+    LOSS_MODE: "vanilla",
+    ADV_ESTIMATOR: "grpo",
+    LOSS_AGG_MODE: VERL_LOSS_AGG_MODE,
+    CLIP_HIGH: VERL_CLIP,
+    # verl's default rollout_correction block: no IS weight (the recipe's threshold is set back too, so the block is
+    # verl's own; without rollout_is it weights nothing)
+    ROLLOUT_IS: None,
+    ROLLOUT_IS_THRESHOLD: VERL_TIS_THRESHOLD,
+}
+"""verl's plain GRPO (``docs/algo/grpo.md``): PPO's clipped loss, group-normalised advantages ``(R - mean) / std``,
+verl's default clip range and aggregation, no rollout correction."""
+
+# verl's token TIS as a verl user turns it on: plain GRPO + algorithm.rollout_correction.rollout_is=token at verl's
+# default threshold, decoupled (pi_old recomputed by the training engine, w = min(pi_old / mu, 2) per token multiplies
+# the PPO loss). The recipe already has rollout_is=token and bypass_mode=false, so only the threshold differs from it.
+VERL_TIS: dict[str, Any] = {k: v for k, v in PLAIN_GRPO.items() if k != ROLLOUT_IS}
+
+# DPPO (arXiv 2602.04879) as verl ships it: verl's examples/dppo_trainer/run_qwen30b_dppo.sh with its defaults
+DPPO_TV_BOUND = 0.15
+"""The TV-divergence bound of DPPO-Binary-TV in verl's DPPO example (both sides; its Binary-KL bound is 0.05)."""
+DPPO_TRUNCATION = 10000.0
+"""``clip_ratio_c`` in verl's DPPO example ("disable dual-clip PPO and TIS"): DPPO's loss truncates its
+stop-gradient ratio at ``clip_ratio_c``, whose verl default (3.0, from the actor config) would truncate hard."""
+DPPO: dict[str, Any] = {
+    LOSS_MODE: "dppo_tv",
+    CLIP_RATIO: DPPO_TV_BOUND,
+    CLIP_LOW: DPPO_TV_BOUND,
+    CLIP_HIGH: DPPO_TV_BOUND,
+    CLIP_RATIO_C: DPPO_TRUNCATION,
+    ADV_ESTIMATOR: "grpo",
+    # the example's Dr. GRPO settings: no std division; each response's token sum divided by one length for all
+    NORM_ADV_BY_STD: False,
+    LOSS_AGG_MODE: "seq-mean-token-sum-norm",
+    # the example's recommendation (its Section 5.2): the trust region is measured against the rollout policy mu,
+    # so it bounds the train-inference mismatch too; pi_old is not recomputed (pi_old := mu)
+    BYPASS_MODE: True,
+    # verl's default block otherwise (in bypass mode verl's v1 trainer computes no rollout correction at all)
+    ROLLOUT_IS: None,
+    ROLLOUT_IS_THRESHOLD: VERL_TIS_THRESHOLD,
+}
+"""verl's DPPO with the Binary-TV loss: the loss verl's DPPO example runs when no ``LOSS_MODE`` is given, and the one
+verl's DPPO page sets against PPO in its headline comparison ("the proposed DPPO (the Binary-TV variant)",
+docs/algo/dppo.md); Binary-KL (``dppo_kl``) is the paper's other binary approximation, offered beside it, not its
+default."""
 
 
 @dataclass(frozen=True)
@@ -110,11 +188,19 @@ VARIANTS: dict[str, Variant] = {
             "MiniRL without clipping (trust region widened to [0.01, 101])",
         ),
         Variant("vespo", "vespo", {}, "VESPO (sequence-level reshaped IS)"),
+        # the baselines: verl's own answers, run through verl's trainer like the rest
         Variant(
             "vanilla_grpo",
             "minirl_onpolicy",
-            {LOSS_MODE: "vanilla", ADV_ESTIMATOR: "grpo", LOSS_AGG_MODE: "seq-mean-token-mean"},
-            "verl's GRPO baseline (vanilla PPO loss, std-normalised advantage, length-normalised)",
+            PLAIN_GRPO,
+            "verl's plain GRPO (PPO clip 0.2, (R - mean) / std advantage, token-mean, no IS correction)",
+        ),
+        Variant("verl_tis", "minirl_onpolicy", VERL_TIS, "verl's token TIS (plain GRPO + w = min(pi_old/mu, 2))"),
+        Variant(
+            "dppo",
+            "minirl_onpolicy",
+            DPPO,
+            "verl's DPPO-Binary-TV (TV bound 0.15 against the rollout policy, bypass mode, Dr. GRPO advantage)",
         ),
     )
 }
@@ -125,6 +211,16 @@ def get_variant(name: str) -> Variant:
     if name not in VARIANTS:
         raise ValueError(f"unknown variant {name!r}; known: {list(VARIANTS)}")
     return VARIANTS[name]
+
+
+def pi_old_is_rollout(variant: Variant | str) -> bool:
+    """Whether the variant runs verl's bypass mode, which takes the rollout's log-probs as pi_old.
+
+    Such a run never computes the training engine's log-probs before its update, so KL(mu || pi_old) and F(tau) are
+    0 by construction there, not a measurement (the report leaves them out: ``summaries.PI_OLD_IS_ROLLOUT``).
+    """
+    variant = get_variant(variant) if isinstance(variant, str) else variant
+    return variant.switches.get(BYPASS_MODE) is True
 
 
 def format_value(value: Any) -> str:
