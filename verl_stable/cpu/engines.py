@@ -1,7 +1,10 @@
-"""verl's FSDP training engines on device ``"cpu"``: registration, and host memory that is never pinned.
+"""verl's training engines on device ``"cpu"``: registration, and host memory that is never pinned.
 
 verl 0.9.1 registers ``FSDPEngineWithLMHead`` / ``FSDPEngineWithValueHead`` for ``cuda`` and ``npu`` only; torch FSDP2
-(``fully_shard``) works on CPU with gloo, so the same classes serve the CPU platform. Registration goes through the
+(``fully_shard``) works on CPU with gloo, so the same classes serve the CPU platform. Its Megatron engines
+(``MegatronEngineWithLMHead`` / ``MegatronEngineWithValueHead``) are registered for ``cpu`` too where megatron-core is
+installed: they run on CPU inside the Megatron CPU runtime (:mod:`verl_stable.cpu.megatron`), which the CPU runtime
+installs in the same processes. Registration goes through the
 public ``EngineRegistry.register`` decorator, which refuses duplicate keys, so an existing ``cpu`` entry (ours from an
 earlier call, or someone else's engine) is left alone.
 
@@ -18,6 +21,8 @@ class (verl's, or the project's replay subclass) ends up building the module.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
 import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +36,10 @@ DEVICE = "cpu"
 BACKENDS = ("fsdp", "fsdp2")
 # model_type -> class name in verl.workers.engine.fsdp.transformer_impl
 ENGINES = {"language_model": "FSDPEngineWithLMHead", "value_model": "FSDPEngineWithValueHead"}
+MEGATRON_BACKEND = "megatron"
+# model_type -> class name in verl.workers.engine.megatron.transformer_impl
+MEGATRON_ENGINES = {"language_model": "MegatronEngineWithLMHead", "value_model": "MegatronEngineWithValueHead"}
+MEGATRON_ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
 # The module whose global ``CPUOffloadPolicy`` verl's FSDP2 build calls (contract fsdp2_offload_policy below).
 OFFLOAD_POLICY_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 
@@ -76,8 +85,6 @@ def unpinned_offload_policy() -> Iterator[type]:
     Raises:
         verl_stable.compat.contracts.ContractError: verl's engine module no longer has that module-level name.
     """
-    import importlib
-
     module = importlib.import_module(OFFLOAD_POLICY_MODULE)
     original = getattr(module, "CPUOffloadPolicy", None)
     if original is None:
@@ -118,6 +125,36 @@ def register(force: bool = False) -> list[str]:
     if transformer_impl.CPUOffloadPolicy is not host_offload_policy():
         _INSTALLED.enter_context(unpinned_offload_policy())
     done.append("fsdp2_offload:unpinned")
+    done += register_megatron()
+    return done
+
+
+def megatron_installed() -> bool:
+    """Whether megatron-core is importable here (verl's Megatron engines import it at module level)."""
+    return importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+
+
+def register_megatron() -> list[str]:
+    """Register verl's Megatron engines for device cpu (nothing where megatron-core is not installed).
+
+    The classes registered are verl's, run under the Megatron CPU runtime
+    (:func:`verl_stable.cpu.megatron.engine.cpu_engine_class`), which they install when first built. An entry
+    registered by someone else for ``("megatron", "cpu")`` is left alone, as for FSDP.
+    """
+    if not megatron_installed():
+        return []
+    from verl.workers.engine.base import EngineRegistry
+
+    from verl_stable.cpu.megatron.engine import cpu_engine_class
+
+    done = []
+    for model_type in MEGATRON_ENGINES:
+        table = EngineRegistry._engines.get(model_type, {})
+        if DEVICE not in table.get(MEGATRON_BACKEND, {}):
+            EngineRegistry.register(model_type=model_type, backend=MEGATRON_BACKEND, device=DEVICE)(
+                cpu_engine_class(model_type)
+            )
+        done.append(f"engine:{model_type}/{MEGATRON_BACKEND}/{DEVICE}")
     return done
 
 
@@ -134,7 +171,13 @@ def _engine_registry() -> str:
     for name in ENGINES.values():
         if not hasattr(transformer_impl, name):
             raise ContractError(f"verl.workers.engine.fsdp.transformer_impl.{name} missing")
-    return "FSDP engines registrable for device cpu"
+    if megatron_installed():
+        megatron_impl = importlib.import_module(MEGATRON_ENGINE_MODULE)
+        for name in MEGATRON_ENGINES.values():
+            if not hasattr(megatron_impl, name):
+                raise ContractError(f"{MEGATRON_ENGINE_MODULE}.{name} missing")
+        return "FSDP and Megatron engines registrable for device cpu"
+    return "FSDP engines registrable for device cpu (megatron-core not installed)"
 
 
 def _fsdp2_offload_policy() -> str:
