@@ -234,11 +234,12 @@ class RuleOptions(_Strict):
     metrics: Annotated[tuple[Name, ...], BeforeValidator(_names), Field(min_length=1)] | None = None
     threshold: Annotated[Annotated[float, Field(allow_inf_nan=False)] | None, BeforeValidator(_numeric_string)] = None
     window: Window | None = None
-    action: Literal["warn", "stop", "stop_checkpoint", "skip_update"] | None = None
+    action: Literal["warn", "stop", "stop_checkpoint", "skip_update", "rollback"] | None = None
     enabled: bool = True
     slope_tolerance: FiniteNonNegative | None = None
     optional: bool | None = None
     max_skips: Window | None = None
+    max_rollbacks: Window | None = None
 
 
 class GuardOptions(_Strict):

@@ -96,6 +96,16 @@ def test_occurrences_count_duplicates_per_step_and_partition():
         PromptOccurrences(keep_steps=0)
 
 
+def test_a_run_that_goes_back_counts_the_redone_steps_afresh():
+    """After a guard rollback to step 2, step 3 is dispatched again: its samples must get the seeds they had the first
+    time (those a resume from checkpoint 2 gives), not the next occurrence numbers."""
+    occ = PromptOccurrences(keep_steps=8)
+    first = [occ.next(3, False, "a"), occ.next(3, False, "a"), occ.next(4, False, "a"), occ.next(4, True, "a")]
+    redone = [occ.next(3, False, "a"), occ.next(3, False, "a"), occ.next(4, False, "a"), occ.next(4, True, "a")]
+    assert first == redone == [0, 1, 0, 0]
+    assert occ.next(4, False, "a") == 1  # within a step, repeated dispatches still count on
+
+
 # ------------------------------------------------------------------------------------------------ put order
 def test_put_order_lets_each_ticket_go_after_every_earlier_one():
     async def scenario() -> list[int]:

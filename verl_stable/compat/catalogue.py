@@ -112,6 +112,15 @@ PATCHES: tuple[Patch, ...] = (
         "transformers ships a varlen SDPA path that verl's packed batches can use",
     ),
     Patch(
+        "lr_spike_fault",
+        "verl.workers.engine.fsdp.transformer_impl.FSDPEngine.optimizer_step",
+        "process",
+        "verl_stable.cpu.faults",
+        "TEST-ONLY fault injection (VERL_STABLE_FAULT_LR_SPIKE, CPU runtime only): the k-th optimizer step runs at a "
+        "multiple of its learning rate, the damage the guard's rollback is tested against",
+        "never: it is a test rig, installed only when the variable is set",
+    ),
+    Patch(
         "hf_rollout_adapter",
         "verl.workers.rollout.base._ROLLOUT_REGISTRY",
         "process",

@@ -1,5 +1,5 @@
-"""The CPU runtime's registration step: platform, FSDP engines, ``hf`` and ``vllm`` rollout backends, poll interval,
-the varlen attention (:mod:`verl_stable.cpu.attention`).
+"""The CPU runtime's registration step: platform, FSDP and Megatron engines, ``hf`` and ``vllm`` rollout backends, poll
+interval, the varlen attention (:mod:`verl_stable.cpu.attention`), test-only faults (:mod:`verl_stable.cpu.faults`).
 
 ``register()`` is what ``verl_stable.integration.plugin`` runs in every process verl starts. The platform is always
 registered but only *selected* when the run asks for CPU (``VERL_PLATFORM=cpu`` or ``trainer.device=cpu``); the
@@ -17,7 +17,7 @@ import types
 from verl_stable.backends.hf import rollout as hf_rollout
 from verl_stable.backends.vllm_cpu import rollout as vllm_rollout
 from verl_stable.compat.contracts import ContractResult
-from verl_stable.cpu import attention, engines, platform, polling
+from verl_stable.cpu import attention, engines, faults, platform, polling
 
 
 def register() -> list[str]:
@@ -28,6 +28,7 @@ def register() -> list[str]:
     done += polling.register()
     done += vllm_rollout.register()
     done += attention.register()
+    done += faults.register()  # test-only faults, when the environment asks for one
     return done
 
 
@@ -36,11 +37,20 @@ def contract_modules() -> tuple[types.ModuleType, ...]:
 
     Each declares its contracts as ``CONTRACTS`` and runs them with ``check_contracts()`` (never raising). vLLM's CPU
     build is optional: where ``vllm-cpu`` is not installed the ``vllm`` rollout is not registered either
-    (:func:`verl_stable.backends.vllm_cpu.rollout.register`), so its contracts are not checked.
+    (:func:`verl_stable.backends.vllm_cpu.rollout.register`), so its contracts are not checked. The same holds for
+    megatron-core: where it is installed, the Megatron CPU runtime's fixes, packed attention and mbridge adapter
+    (:mod:`verl_stable.cpu.megatron`) are checked too.
     """
     modules: tuple[types.ModuleType, ...] = (platform, engines, hf_rollout, polling, attention)
     if vllm_rollout.installed_version() is not None:
         modules += (vllm_rollout,)
+    if engines.megatron_installed():
+        # imported here: they import megatron-core (and mbridge), seconds a process without Megatron never pays
+        from verl_stable.cpu.megatron import attention as megatron_attention
+        from verl_stable.cpu.megatron import bridge as megatron_bridge
+        from verl_stable.cpu.megatron import runtime as megatron_runtime
+
+        modules += (megatron_runtime, megatron_attention, megatron_bridge)
     return modules
 
 

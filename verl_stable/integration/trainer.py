@@ -28,6 +28,12 @@ and ``fit`` raises :class:`~verl_stable.monitor.guard.GuardTripped` -- so ``Task
 exit code 1 and TransferQueue, and ``main_ppo`` exits non-zero with the verdict as the error message.
 ``PPOTrainer._update_actor`` is tapped for verl's unreduced per-mini-step metrics
 (:func:`~verl_stable.monitor.step.per_update_metrics`).
+
+A ``rollback`` verdict is carried out at the start of the next step (:meth:`StabilityMonitorMixin._stable_rollback`):
+verl's own ``_load_checkpoint`` restores the last good checkpoint's weights, optimizer, LR schedule and data position
+exactly as a resume from it would, the rollout gets the restored weights, and the loop continues at the step after
+the checkpoint, so the redone steps carry the numbers (and sampling seeds) a plain resume gives them. Only the
+``sync`` base mode rolls back (the async modes keep samples of the abandoned weights in flight).
 """
 
 from __future__ import annotations
@@ -107,7 +113,13 @@ class StabilityMonitorMixin:
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
-        self._stable_state()  # parse the ``stable`` block now: a config error fails before any worker starts
+        monitor = self._stable_state()  # parse the ``stable`` block now: a config error fails before any worker starts
+        rolling = [r.name for r in (monitor.guard.rules if monitor.guard else ()) if r.action == "rollback"]
+        if rolling and self._stable_base_mode != "sync":
+            raise ValueError(
+                f"stable.guard rules {rolling} roll back, which trainer_mode stable_{self._stable_base_mode} cannot: "
+                "its rollout keeps generating with the abandoned weights; use stable_sync or another action"
+            )
 
     # patch: base_trainer_mode (verl_stable.compat.catalogue)
     @property
@@ -124,7 +136,10 @@ class StabilityMonitorMixin:
         if monitor is None:
             corr = self.config.algorithm.get("rollout_correction", None)
             token_level = corr is None or corr.get("rollout_is", None) in (None, "token")
-            monitor = StepMonitor(StableConfig.from_trainer_config(self.config), token_level_is=token_level)
+            bypass = corr is not None and bool(corr.get("bypass_mode", False))
+            monitor = StepMonitor(
+                StableConfig.from_trainer_config(self.config), token_level_is=token_level, pi_old_is_rollout=bypass
+            )
             self._stable_monitor = monitor
             self._stable_trip: list[Verdict] = []
         return monitor
@@ -209,7 +224,13 @@ class StabilityMonitorMixin:
             clear_stale_prompt_rows()
 
     def step(self, metrics, timing_raw):
-        """verl's step; numbers the update mini-steps of this logged step from 0 and restarts the coverage sums."""
+        """verl's step; numbers the update mini-steps of this logged step from 0 and restarts the coverage sums.
+
+        A rollback the guard asked for at the previous step is carried out first (:meth:`_stable_rollback`)."""
+        pending = getattr(self, "_stable_pending_rollback", None)
+        if pending is not None:
+            self._stable_pending_rollback = None
+            self._stable_rollback(*pending)
         self._stable_updates_in_step = 0
         self._stable_coverage: dict[str, float] = {}
         return super().step(metrics, timing_raw)
@@ -228,6 +249,8 @@ class StabilityMonitorMixin:
             if monitor.config.monitor.enable:
                 fetched, transport = self._stable_fetch(batch, self.global_steps, monitor)
                 known.update(transport)
+                # the same samples' fields do not change in the update: _compute_metrics reuses this read
+                self._stable_prefetched = (self.global_steps, list(batch.keys), fetched, transport)
             if monitor.before_update(self.global_steps, fetched, known):
                 return batch  # skip_update (or a skip escalated to a stop): verl's update is not applied
         tap = _UpdateOutputTap(self.actor_rollout_wg)
@@ -265,22 +288,46 @@ class StabilityMonitorMixin:
         super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)
         monitor = self._stable_state()
         fetched = None
+        prefetched, self._stable_prefetched = getattr(self, "_stable_prefetched", None), None
         if monitor.config.monitor.enable:
-            fetched, transport = self._stable_fetch(batch, global_steps, monitor)
+            if prefetched is not None and prefetched[:2] == (global_steps, list(batch.keys)):
+                fetched, transport = prefetched[2:]
+            else:  # no skip rule, or a step of several sub-batches (each judged on its own read)
+                fetched, transport = self._stable_fetch(batch, global_steps, monitor)
             metrics.update(transport)
         verdicts = monitor.step(global_steps, fetched, metrics, coverage=getattr(self, "_stable_coverage", None))
         self._stable_coverage = {}
         self._stable_handle(verdicts, global_steps)
 
     def _stable_handle(self, verdicts: list[Verdict], step: int) -> None:
-        """Warn, or end the loop after this step is logged; ``fit`` then raises :class:`GuardTripped`."""
+        """Warn, roll back at the next step's start, or end the loop after this step is logged (``fit`` then raises
+        :class:`GuardTripped`)."""
         stopping = []
+        rollback = None
         for verdict in verdicts:
+            if verdict.rolls_back:
+                verdict = self._stable_with_checkpoint(verdict, step)
+                reason = None
+                if stopping or rollback is not None:
+                    reason = "another rule already acted on this step"
+                elif verdict.last_good_checkpoint is None:
+                    reason = "no resumable checkpoint before the trip that no rule flagged"
+                elif self.global_steps >= self.total_training_steps:
+                    reason = "the last step: verl's loop ends after it"
+                if reason is not None:
+                    verdict = self._stable_monitor.guard.escalate(verdict, reason)
+                else:
+                    rollback = verdict
             if verdict.action == "stop_checkpoint":
                 verdict = self._stable_with_checkpoint(verdict, step)
             if verdict.stops:
                 stopping.append(verdict)
             logger.warning("verl-stable guard [%s -> %s] %s", verdict.rule, verdict.action, verdict.describe())
+        if rollback is not None and not stopping:  # a stop on the same step wins
+            to_step = int(os.path.basename(rollback.last_good_checkpoint).removeprefix("global_step_"))
+            # verl decides "last step" before calling step(): keep it false for the step that is redone instead
+            self._stable_pending_rollback = (rollback.last_good_checkpoint, to_step, self.total_training_steps)
+            self.total_training_steps += step - to_step
         if stopping:
             self._stable_trip = stopping
             # verl's loop runs while global_steps <= total_training_steps and increments after logging: this
@@ -296,6 +343,41 @@ class StabilityMonitorMixin:
         good = last_good_checkpoint_step(resumable, step, self._stable_monitor.guard.flagged_steps)
         path = None if good is None else os.path.join(root, f"global_step_{good}")
         return Verdict(verdict.rule, verdict.action, verdict.step, verdict.values, verdict.message, path)
+
+    def _stable_rollback(self, folder: str, to_step: int, total_training_steps: int) -> None:
+        """Go back to the checkpoint ``folder`` (of step ``to_step``) and continue with step ``to_step + 1``.
+
+        verl's ``_load_checkpoint`` does the restoring, as for a resume from that folder: actor (and critic) weights,
+        optimizer and LR scheduler, the dataloader's position. Then the dataloader's iterator is rebuilt from that
+        position, the rollout receives the restored weights (as the sync trainer does after loading at start-up), the
+        resume pointer verl writes (``latest_checkpointed_iteration.txt``) is set back to ``to_step`` so an automatic
+        resume after a crash also starts from the good checkpoint, and the monitor forgets the abandoned steps.
+        """
+        from omegaconf import open_dict
+        from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
+        from verl.utils.skip import SkipManager
+
+        trainer_config = self.config.trainer
+        saved = (trainer_config.resume_mode, trainer_config.get("resume_from_path"))
+        with open_dict(trainer_config):
+            trainer_config.resume_mode, trainer_config.resume_from_path = "resume_path", folder
+        try:
+            self._load_checkpoint()
+        finally:
+            with open_dict(trainer_config):
+                trainer_config.resume_mode, trainer_config.resume_from_path = saved
+        if self.global_steps != to_step:
+            raise RuntimeError(f"rollback to {folder}: verl resumed at step {self.global_steps}, expected {to_step}")
+        self.train_dataloader_it = None
+        self.global_steps = to_step + 1
+        self.total_training_steps = total_training_steps
+        SkipManager.set_step(self.global_steps)
+        self.checkpoint_manager.update_weights(self.global_steps)
+        root = trainer_config.default_local_dir
+        with open(get_checkpoint_tracker_filename(root), "w") as f:
+            f.write(str(to_step))
+        self._stable_monitor.rolled_back(to_step)
+        logger.warning("verl-stable guard: rolled back to %s; continuing at step %d", folder, self.global_steps)
 
     def _build_replay_buffer(self):
         """verl's replay buffer; under ``stable_sync`` its batches come in dispatch order (:meth:`_stable_in_order`)."""

@@ -6,7 +6,10 @@ A :class:`Guard` consumes one flat ``{name: float}`` dict per training step (ver
 
 * ``warn``: report and continue;
 * ``stop``: stop the run with the verdict as the reason;
-* ``stop_checkpoint``: stop and name the last good checkpoint (see :func:`last_good_checkpoint_step`).
+* ``stop_checkpoint``: stop and name the last good checkpoint (see :func:`last_good_checkpoint_step`);
+* ``skip_update`` (judged before the actor update): the step's update is not applied;
+* ``rollback``: the run goes back to the last good checkpoint (weights, optimizer, data position) and continues from
+  there, at most ``max_rollbacks`` times per rule; the trainer restores it (:mod:`verl_stable.integration.trainer`).
 
 Default rules (the seed's checklist): token entropy below 0.25 and still falling over a window of steps;
 KL(mu || pi_old) above 0.01; a non-finite loss or gradient norm; and, under routing replay (R2 / R3), a replay
@@ -34,9 +37,9 @@ from verl_stable.monitor.common import check_bool, check_int, check_real, type_n
 from verl_stable.monitor.metrics import window_slope
 from verl_stable.schema import MAX_WINDOW, ConfigError, GuardOptions, parse
 
-Action = Literal["warn", "stop", "stop_checkpoint", "skip_update"]
+Action = Literal["warn", "stop", "stop_checkpoint", "skip_update", "rollback"]
 Condition = Literal["above", "below", "below_and_falling", "non_finite"]
-ACTIONS: tuple[str, ...] = ("warn", "stop", "stop_checkpoint", "skip_update")
+ACTIONS: tuple[str, ...] = ("warn", "stop", "stop_checkpoint", "skip_update", "rollback")
 Phase = Literal["before_update", "after_update"]
 PRE_UPDATE_PREFIXES: tuple[str, ...] = (
     f"{TRAIN_INF}/",
@@ -49,6 +52,7 @@ PRE_UPDATE_PREFIXES: tuple[str, ...] = (
 rollout-correction metrics, computed with the advantages): the only ones a ``skip_update`` rule can watch, since it
 decides whether that update is applied."""
 DEFAULT_MAX_SKIPS = 3
+DEFAULT_MAX_ROLLBACKS = 2
 CONDITIONS: tuple[str, ...] = ("above", "below", "below_and_falling", "non_finite")
 
 
@@ -72,12 +76,16 @@ class Rule:
         action: ``warn``, ``stop``, ``stop_checkpoint`` or ``skip_update``. ``skip_update`` is evaluated before the
             actor update, on metrics measured before it (:data:`PRE_UPDATE_PREFIXES`), and the update is not
             applied when it fires; more than ``max_skips`` consecutive firings escalate to ``stop_checkpoint``.
+            ``rollback`` returns the run to the last good checkpoint; its ``max_rollbacks + 1``-th firing in a run
+            escalates to ``stop_checkpoint``.
         slope_tolerance: per-step decline the slope must exceed to count as falling (``below_and_falling``);
             raise it for tasks whose healthy entropy is legitimately low and noisy.
         optional: the metrics exist only in some runs (``replay_coverage``: only under routing replay), so a
             rule that never found them is not listed in :attr:`Guard.missing`.
         max_skips: ``skip_update`` only: consecutive skipped updates allowed before the rule escalates to
             ``stop_checkpoint`` (an int >= 1).
+        max_rollbacks: ``rollback`` only: rollbacks this rule may ask for in one run before it escalates to
+            ``stop_checkpoint`` (an int >= 1): a fault that recurs after every rollback is not transient.
     """
 
     name: str
@@ -89,6 +97,7 @@ class Rule:
     slope_tolerance: float = 0.0
     optional: bool = False
     max_skips: int = DEFAULT_MAX_SKIPS
+    max_rollbacks: int = DEFAULT_MAX_ROLLBACKS
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -119,6 +128,9 @@ class Rule:
         object.__setattr__(self, "max_skips", check_int(f"{where}: max_skips", self.max_skips))
         if not 1 <= self.max_skips <= MAX_WINDOW:
             raise ValueError(f"{where}: max_skips must be in [1, {MAX_WINDOW}], got {self.max_skips!r}")
+        object.__setattr__(self, "max_rollbacks", check_int(f"{where}: max_rollbacks", self.max_rollbacks))
+        if not 1 <= self.max_rollbacks <= MAX_WINDOW:
+            raise ValueError(f"{where}: max_rollbacks must be in [1, {MAX_WINDOW}], got {self.max_rollbacks!r}")
         if self.action == "skip_update":
             late = [m for m in self.metrics if not m.startswith(PRE_UPDATE_PREFIXES)]
             if late:
@@ -152,7 +164,8 @@ class Verdict:
         step: the training step (verl's ``global_steps``) of the metrics that fired it.
         values: the metric values the rule saw (and ``slope`` for ``below_and_falling``).
         message: a one-line human-readable reason.
-        last_good_checkpoint: filled by the integration for ``stop_checkpoint`` (a path), else ``None``.
+        last_good_checkpoint: filled by the integration for ``stop_checkpoint`` and ``rollback`` (a path: where the
+            run may resume, or goes back to), else ``None``.
     """
 
     rule: str
@@ -176,6 +189,11 @@ class Verdict:
         """Whether the verdict asks not to apply this step's actor update."""
         return self.action == "skip_update"
 
+    @property
+    def rolls_back(self) -> bool:
+        """Whether the verdict asks to return to the last good checkpoint and continue."""
+        return self.action == "rollback"
+
     def describe(self) -> str:
         """The message, plus the checkpoint to resume from for ``stop_checkpoint``.
 
@@ -183,6 +201,8 @@ class Verdict:
         was saved: verl's rotation leaves older ``global_step_<n>/`` folders without their weights, and a checkpoint
         a rule flagged is not good (see :func:`last_good_checkpoint_step`).
         """
+        if self.action == "rollback":
+            return f"{self.message}; rolling back to {self.last_good_checkpoint}"
         if self.action != "stop_checkpoint":
             return self.message
         where = self.last_good_checkpoint or "none (no resumable checkpoint before the trip that no rule flagged)"
@@ -276,6 +296,7 @@ class Guard:
     _history: dict[str, dict[str, deque]] = field(default_factory=dict, repr=False)
     _seen: set[str] = field(default_factory=set, repr=False)
     _skips: dict[str, int] = field(default_factory=dict, repr=False)  # rule -> consecutive skip_update firings
+    rollbacks: dict[str, int] = field(default_factory=dict)  # rule -> rollbacks it asked for in this run
 
     def __post_init__(self) -> None:
         self.rules = tuple(self.rules)
@@ -369,6 +390,8 @@ class Guard:
             verdict = self._evaluate(rule, step, metrics)
             if rule.action == "skip_update":
                 verdict = self._count_skip(rule, verdict)
+            elif rule.action == "rollback" and verdict is not None:
+                verdict = self._count_rollback(rule, verdict)
             if verdict is not None:
                 verdicts.append(verdict)
         if verdicts:
@@ -388,6 +411,42 @@ class Guard:
         )
         return Verdict(rule.name, "stop_checkpoint", verdict.step, verdict.values, message)
 
+    def _count_rollback(self, rule: Rule, verdict: Verdict) -> Verdict:
+        count = self.rollbacks[rule.name] = self.rollbacks.get(rule.name, 0) + 1
+        if count <= rule.max_rollbacks:
+            return verdict
+        self.rollbacks[rule.name] = rule.max_rollbacks  # the escalated firing rolled nothing back
+        message = (
+            f"{verdict.message}; rollback {count} of max_rollbacks {rule.max_rollbacks}: escalated to stop_checkpoint"
+        )
+        return Verdict(rule.name, "stop_checkpoint", verdict.step, verdict.values, message)
+
+    def escalate(self, verdict: Verdict, reason: str) -> Verdict:
+        """``verdict`` as ``stop_checkpoint`` because its action cannot be carried out (``reason`` says why); a
+        ``rollback`` that did not happen is not counted against its rule."""
+        if verdict.rolls_back:
+            self.rollbacks[verdict.rule] = max(0, self.rollbacks.get(verdict.rule, 0) - 1)
+        message = f"{verdict.message}; {verdict.action} impossible ({reason}): escalated to stop_checkpoint"
+        return Verdict(verdict.rule, "stop_checkpoint", verdict.step, verdict.values, message)
+
+    def rolled_back(self, to_step: int) -> None:
+        """Forget what the abandoned steps after ``to_step`` taught the rules: their flags, the slope windows'
+        observations and the consecutive-skip counts. The steps are redone from the checkpoint of ``to_step``; a
+        window that still held the fault would fire again on the first healthy step."""
+        to_step = check_int("to_step", to_step)
+        self.flagged_steps = {s for s in self.flagged_steps if s <= to_step}
+        for windows in self._history.values():
+            for history in windows.values():
+                kept = [(s, v) for s, v in history if s <= to_step]
+                history.clear()
+                history.extend(kept)
+        self._skips.clear()
+
+    @property
+    def total_rollbacks(self) -> int:
+        """Rollbacks asked for in this run, all rules together."""
+        return sum(self.rollbacks.values())
+
     def check(self, step: int, metrics: Mapping[str, Any]) -> list[Verdict]:
         """:meth:`observe`, then raise :class:`GuardTripped` with the stopping verdicts if there are any."""
         verdicts = self.observe(step, metrics)
@@ -397,9 +456,14 @@ class Guard:
         return verdicts
 
     def metrics(self, verdicts: Iterable[Verdict]) -> dict[str, float]:
-        """``stable/guard/{rule}`` = 1.0 for each rule that fired this step, 0.0 for the others."""
+        """``stable/guard/{rule}`` = 1.0 for each rule that fired this step, 0.0 for the others; with a ``rollback``
+        rule also ``stable/guard/rollbacks``, the run's rollbacks so far (a redone step's rows differ from the
+        abandoned ones by it)."""
         fired = {v.rule for v in verdicts}
-        return {f"{GUARD}{rule.name}": float(rule.name in fired) for rule in self.rules}
+        out = {f"{GUARD}{rule.name}": float(rule.name in fired) for rule in self.rules}
+        if any(rule.action == "rollback" for rule in self.rules):
+            out[f"{GUARD}rollbacks"] = float(self.total_rollbacks)
+        return out
 
     def _evaluate(self, rule: Rule, step: int, metrics: Mapping[str, Any]) -> Verdict | None:
         present = [m for m in rule.metrics if m in metrics]

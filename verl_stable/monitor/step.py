@@ -217,11 +217,21 @@ def _routing_disagreement(a_ids: torch.Tensor, b_ids: torch.Tensor, num_experts:
 class StepMonitor:
     """Turns one step's batch into ``stable/`` metrics and guard verdicts; holds the cross-step state."""
 
-    def __init__(self, config: StableConfig, token_level_is: bool = True):
+    def __init__(self, config: StableConfig, token_level_is: bool = True, pi_old_is_rollout: bool = False):
+        """
+        Args:
+            config: the ``stable`` block.
+            token_level_is: verl's rollout correction weights tokens (not sequences).
+            pi_old_is_rollout: verl's bypass mode (``algorithm.rollout_correction.bypass_mode``): pi_old is not
+                recomputed but *is* the rollout's log-prob, so KL(mu || pi_old) and F(tau) would be 0 by construction.
+                They are then not logged (a 0 would read as "no mismatch"), and a rule watching them stays silent.
+        """
         self.config = config
         self.token_level_is = token_level_is
+        self.pi_old_is_rollout = pi_old_is_rollout
         self.guard = Guard.from_config(config.guard) if config.guard_enable else None
-        self._entropy: deque[float] = deque(maxlen=config.monitor.entropy_window)
+        self._entropy: deque[tuple[int, float]] = deque(maxlen=config.monitor.entropy_window)  # (step, mean)
+        self._step = 0  # the step :meth:`step` is measuring
         self._warned: set[str] = set()
         self._pending: list[Verdict] = []  # this step's verdicts from before the actor update
 
@@ -263,7 +273,13 @@ class StepMonitor:
         t = batch.tokens
         valid = t.get("loss_mask", t["response_mask"])
         out: dict[str, float] = {"stable/valid_tokens": float(valid.sum())}
-        if "old_log_probs" in t and "rollout_log_probs" in t:
+        if self.pi_old_is_rollout and record:
+            self._warn_once(
+                "bypass",
+                "verl's bypass mode takes the rollout's log-probs as pi_old: no stable/train_inf/* metrics are logged "
+                "(they would be 0 by construction) and guard rules on them cannot fire",
+            )
+        if "old_log_probs" in t and "rollout_log_probs" in t and not self.pi_old_is_rollout:
             out.update(M.train_inference_metrics(t["rollout_log_probs"], t["old_log_probs"], valid, cfg.taus))
             out.update(
                 M.correction_metrics(
@@ -281,8 +297,8 @@ class StepMonitor:
             ent = M.entropy_metrics(t["entropy"], valid)
             out.update(ent)
             if "stable/entropy/mean" in ent and record:
-                self._entropy.append(ent["stable/entropy/mean"])
-                slope = M.window_slope(list(self._entropy))
+                self._entropy.append((self._step, ent["stable/entropy/mean"]))
+                slope = M.window_slope([value for _, value in self._entropy])
                 if slope is not None:
                     out["stable/entropy/slope"] = slope
         if batch.rollout_routing:
@@ -334,6 +350,7 @@ class StepMonitor:
             coverage: the step's replay-coverage counts summed over its update mini-steps (:func:`coverage_totals`,
                 full ``stable/routing/coverage/<count>`` keys); they replace the per-mini-step means verl logged.
         """
+        self._step = step
         for key in [k for k in metrics if k.startswith("actor/stable/")]:
             metrics[key[len("actor/") :]] = metrics.pop(key)
         if coverage:
@@ -351,6 +368,16 @@ class StepMonitor:
         for rule, names in self.guard.missing.items():
             self._warn_once(f"missing:{rule}", f"guard rule {rule!r} has none of its metrics {list(names)}")
         return verdicts
+
+    def rolled_back(self, to_step: int) -> None:
+        """The run went back to the checkpoint of ``to_step``: the cross-step state forgets the abandoned steps (the
+        entropy window here, the guard's flags and windows in :meth:`Guard.rolled_back`)."""
+        kept = [(s, v) for s, v in self._entropy if s <= to_step]
+        self._entropy.clear()
+        self._entropy.extend(kept)
+        self._pending = []
+        if self.guard is not None:
+            self.guard.rolled_back(to_step)
 
     def _coverage(self, metrics: Mapping[str, Any]) -> dict[str, float]:
         """The replay-coverage fractions of the step's counts; empty when replay did not run."""

@@ -127,8 +127,16 @@ class PromptOccurrences:
         self._counts: dict[tuple[int, bool], Counter[str]] = {}
 
     def next(self, step: int, validate: bool, prompt_key: str) -> int:
-        """The occurrence number of this dispatch of ``prompt_key`` at ``(step, validate)`` (0 for the first)."""
-        counts = self._counts.setdefault((int(step), bool(validate)), Counter())
+        """The occurrence number of this dispatch of ``prompt_key`` at ``(step, validate)`` (0 for the first).
+
+        A dispatch at a step below one already counted means the run went back (the guard's ``rollback``): the
+        abandoned steps' counts from ``step`` on are forgotten, so the redone steps sample exactly what a resume from
+        the same checkpoint samples."""
+        step = int(step)
+        if any(counted > step for counted, _ in self._counts):
+            for key in [key for key in self._counts if key[0] >= step]:
+                del self._counts[key]
+        counts = self._counts.setdefault((step, bool(validate)), Counter())
         occurrence = counts[prompt_key]
         counts[prompt_key] += 1
         if len(self._counts) > self.keep_steps:
