@@ -2,7 +2,7 @@
 
 ``list``, ``path`` and ``command`` read the regime table and the recipe files; ``show`` composes a recipe on verl's
 config with overrides; ``check`` composes, converts to verl's dataclasses and checks the regime, one line per problem
-(exit 1 when there is one); ``run-cpu`` runs an fsdp recipe with verl's trainer on the CPU runtime
+(exit 1 when there is one); ``run-cpu`` runs a recipe (fsdp or megatron) with verl's trainer on the CPU runtime
 (:func:`verl_stable.toy.launch.run_recipe`). Names, numbers and overrides are checked (syntax, composition,
 :func:`verl_stable.recipes.preflight`) before anything is composed, built or run; a bad one is answered with exit
 code 2 and a message.
@@ -98,7 +98,7 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
         p.add_argument("name")
         if action in ("show", "check"):
             p.add_argument("overrides", nargs="*")
-    p = sub.add_parser("run-cpu", help="run an fsdp recipe with verl's trainer on the CPU runtime (tiny MoE)")
+    p = sub.add_parser("run-cpu", help="run a recipe with verl's trainer on the CPU runtime (tiny MoE)")
     p.add_argument("name")
     p.add_argument("--workdir", default="./verl_stable_recipe_run")
     p.add_argument("--steps", type=positive_int, default=2)
@@ -125,10 +125,8 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
         out(" ".join(main_ppo_command(backend, regime)))
         return 0
     if args.action == "run-cpu":
-        if backend != "fsdp":
-            parser.error(f"run-cpu runs the fsdp recipes only, got {backend}/{regime}")
         try:
-            rc = launch.run_recipe(regime, args.workdir, args.overrides, steps=args.steps)
+            rc = launch.run_recipe(regime, args.workdir, args.overrides, steps=args.steps, backend=backend)
         except ValueError as exc:  # refused by the checks made before anything is built
             parser.error(str(exc))
         run = Path(args.workdir).resolve() / "run"

@@ -199,9 +199,7 @@ def test_run_cpu_refuses_before_anything_is_built(tmp_path, capsys, no_run, args
     assert not (tmp_path / "w").exists()
 
 
-def test_run_cpu_refuses_megatron_and_a_file_as_workdir(tmp_path, capsys, no_run):
-    err = _refused(["run-cpu", "megatron/vespo"], capsys)
-    assert "run-cpu runs the fsdp recipes only, got megatron/vespo" in err
+def test_run_cpu_refuses_a_file_as_workdir(tmp_path, capsys, no_run):
     target = tmp_path / "f"
     target.write_text("x")
     err = _refused(["run-cpu", "vespo", "--workdir", str(target)], capsys)
@@ -223,9 +221,10 @@ def test_run_cpu_refuses_what_verls_conversion_would_reject_at_run_time(tmp_path
     assert "stable.monitor.entropy_windw: unknown key (known: enable, entropy_window," in err
 
 
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
 @pytest.mark.parametrize("regime", list(R.REGIMES))
-def test_run_cpu_preflight_accepts_every_shipped_regime(tmp_path, monkeypatch, regime):
-    """The checks pass the real CPU argument list; overrides after options reach verl, last."""
+def test_run_cpu_preflight_accepts_every_shipped_recipe(tmp_path, monkeypatch, regime, backend):
+    """The checks pass the real CPU argument list of both back ends; overrides after options reach verl, last."""
     import subprocess
 
     calls: list[list[str]] = []
@@ -233,9 +232,22 @@ def test_run_cpu_preflight_accepts_every_shipped_regime(tmp_path, monkeypatch, r
     monkeypatch.setattr(
         launch, "run_main_ppo", lambda args, workdir: calls.append(list(args)) or subprocess.CompletedProcess(args, 0)
     )
-    argv = ["run-cpu", regime, "--workdir", str(tmp_path), "--steps", "1", "trainer.val_before_train=True"]
+    argv = [
+        "run-cpu",
+        f"{backend}/{regime}",
+        "--workdir",
+        str(tmp_path),
+        "--steps",
+        "1",
+        "trainer.val_before_train=True",
+    ]
     assert recipe_cli.main(argv, out=lambda _: None) == 0
     assert calls and calls[0][-1] == "trainer.val_before_train=True"
+    assert (f"--config-path={R.recipes_dir() / backend}") in calls[0]
+    if backend == "megatron":  # the CPU actor's settings, none of the FSDP actor's
+        assert "actor_rollout_ref.actor.megatron.vanilla_mbridge=True" in calls[0]
+        assert "actor_rollout_ref.model.use_remove_padding=True" in calls[0]
+        assert not [a for a in calls[0] if a.startswith("actor_rollout_ref.actor.strategy=")]
 
 
 # ------------------------------------------------------------------------------------------------ untrusted recipe dirs

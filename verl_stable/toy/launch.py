@@ -27,6 +27,7 @@ from verl_stable.argtypes import positive_int, positive_seconds, resolve_path
 from verl_stable.backends.hf.options import PRECISIONS
 from verl_stable.backends.vllm_cpu import rollout as vllm_rollout
 from verl_stable.cpu import attention as varlen_attention
+from verl_stable.cpu.megatron import options as megatron_options
 from verl_stable.toy import tasks
 from verl_stable.toy.assets import Assets, AssetSpec, asset_paths, ensure_assets
 from verl_stable.toy.trainer_process import (
@@ -94,6 +95,10 @@ ATTENTIONS: dict[str, tuple[str, ...]] = {
 }
 
 ENGINES = ("hf", "vllm")
+# the actor back ends a recipe can run with on the CPU runtime
+CPU_BACKENDS = ("fsdp", "megatron")
+# what RUNTIME_OVERRIDES sets for the FSDP actor and a Megatron run must not: the strategy, padded batches
+FSDP_ONLY_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.model.use_remove_padding")
 # vLLM's CPU build serves these rollout precisions (verl's ``rollout.dtype``); fp8/fp16 weights are the hf backend's.
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
@@ -248,15 +253,16 @@ def regime_overrides(
         steps: ``trainer.total_training_steps``.
         mini_batch_prompts: prompts per mini-batch (the paper's 64, scaled down).
         group_size: samples per prompt (the paper's 16, scaled down).
-        backend: only ``fsdp`` runs on CPU.
+        backend: ``fsdp`` or ``megatron`` (verl's Megatron engine under the Megatron CPU runtime, with the overrides
+            of :func:`verl_stable.cpu.megatron.options.overrides`).
         engine: rollout engine (``hf`` or ``vllm``, see :func:`cpu_overrides`); its settings win over the recipe's.
         precision: rollout precision of ``engine`` (None: the engine's default).
 
     Raises:
-        ValueError: A backend other than ``fsdp``, or an engine / precision :func:`engine_overrides` refuses.
+        ValueError: An unknown backend, or an engine / precision :func:`engine_overrides` refuses.
     """
-    if backend != "fsdp":
-        raise ValueError(f"only the fsdp recipes run on the CPU runtime, got backend {backend!r}")
+    if backend not in CPU_BACKENDS:
+        raise ValueError(f"backend must be one of {CPU_BACKENDS} on the CPU runtime, got {backend!r}")
     regime = recipes.REGIMES[regime] if isinstance(regime, str) else regime
     own = set(recipes.recipe_keys(recipes.recipe_path(backend, regime.name)))
     train = mini_batch_prompts * regime.staleness
@@ -284,15 +290,27 @@ def regime_overrides(
     kept = []
     for item in runtime:
         key = item.split("=", 1)[0].lstrip("+~")
+        if backend == "megatron" and key in FSDP_ONLY_KEYS:
+            continue  # the recipe's ppo_megatron_trainer chooses the strategy; Megatron trains packed
         if key in forced or (key not in own and key not in geometry):
             kept.append(item)
+    if backend == "megatron":
+        kept += megatron_options.overrides()
     return kept + [f"{k}={v}" for k, v in geometry.items()]
 
 
 def run_recipe(
-    regime: str, workdir: str | os.PathLike, overrides: Sequence[str] = (), *, steps: int = 2, task: str = "copy"
+    regime: str,
+    workdir: str | os.PathLike,
+    overrides: Sequence[str] = (),
+    *,
+    steps: int = 2,
+    task: str = "copy",
+    backend: str = "fsdp",
 ) -> int:
-    """Run ``recipes/fsdp/<regime>.yaml`` with verl's ``main_ppo`` on the CPU runtime (tiny MoE, toy task).
+    """Run ``recipes/<backend>/<regime>.yaml`` with verl's ``main_ppo`` on the CPU runtime (tiny MoE, toy task).
+
+    ``backend`` is ``fsdp`` or ``megatron`` (verl's Megatron engine under the Megatron CPU runtime).
 
     The arguments are checked first (:func:`verl_stable.recipes.preflight`); then the tiny assets are built under
     ``workdir/assets`` if missing; the log is ``workdir/run/main_ppo.log`` and the per-step metrics
@@ -304,16 +322,18 @@ def run_recipe(
             loop) or that :func:`verl_stable.recipes.check_output_dir` refuses, or overrides that
             :func:`verl_stable.recipes.preflight` refuses; raised before anything is built or started.
     """
-    recipes.check_backend_regime("fsdp", regime)
+    recipes.check_backend_regime(backend, regime)
+    if backend not in CPU_BACKENDS:
+        raise ValueError(f"backend must be one of {CPU_BACKENDS} on the CPU runtime, got {backend!r}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     if task not in tasks.TASKS:
         raise ValueError(f"unknown task {task!r}; expected one of {tasks.TASKS}")
     workdir = recipes.check_output_dir(resolve_path(workdir, "workdir"), "workdir")
-    path = recipes.recipe_path("fsdp", regime)
-    ov = regime_overrides(regime, asset_paths(workdir / "assets"), steps=steps)
+    path = recipes.recipe_path(backend, regime)
+    ov = regime_overrides(regime, asset_paths(workdir / "assets"), steps=steps, backend=backend)
     ov += [f"trainer.default_local_dir={workdir / 'checkpoints'}", *overrides]
-    recipes.preflight(ov, recipe=path)
+    recipes.preflight(ov, recipe=path, backend=backend)
     ensure_assets(workdir / "assets", AssetSpec(task=task))
     args = [f"--config-path={path.parent}", f"--config-name={path.stem}", *ov]
     proc = run_main_ppo(args, workdir / "run")
