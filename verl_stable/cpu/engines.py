@@ -138,8 +138,9 @@ def register_megatron() -> list[str]:
     """Register verl's Megatron engines for device cpu (nothing where megatron-core is not installed).
 
     The classes registered are verl's, run under the Megatron CPU runtime
-    (:func:`verl_stable.cpu.megatron.engine.cpu_engine_class`), which they install when first built. An entry
-    registered by someone else for ``("megatron", "cpu")`` is left alone, as for FSDP.
+    (:func:`verl_stable.cpu.megatron.engine.cpu_engine_class`), which they install when first built; the plugin's
+    Megatron step puts verl's engine with the replay metrics, under the same runtime, ahead of them for the
+    ``("cpu", "cpu")`` key. An entry registered by someone else for ``("megatron", "cpu")`` is left alone, as for FSDP.
     """
     if not megatron_installed():
         return []

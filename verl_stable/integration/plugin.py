@@ -40,6 +40,7 @@ REGISTRATION_STEPS: tuple[tuple[str, str], ...] = (
     ("advantages", "verl_stable.integration.advantages"),
     ("trainer", "verl_stable.integration.trainer"),
     ("fsdp_router_replay", "verl_stable.integration.fsdp_engine"),
+    ("megatron_replay_metrics", "verl_stable.integration.megatron_replay"),
     ("rollout_routing", "verl_stable.integration.rollout"),
 )
 

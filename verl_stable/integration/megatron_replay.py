@@ -1,0 +1,473 @@
+"""The project's replay metrics on verl's Megatron engine: what each router actually used under R2 / R3 replay.
+
+verl's Megatron engine replays MoE routing itself (``verl.utils.megatron.router_replay_patch``): with
+``router_replay.mode`` R2 or R3 and the batch flag ``enable_routing_replay``, its ``forward_step`` gives every
+router's ``RouterReplay`` the target top-k ids of the micro-batch (R3: the rollout's routes, aligned by
+``align_r3_router_replay_data``, with a replay mask from ``build_r3_replay_mask`` that leaves each sequence's final
+row native; R2 update: the routes ``compute_log_prob`` recorded, every row). It reports nothing about the result.
+:class:`MegatronReplayMetricsMixin` measures it, per micro-batch, from the routers' outputs: a forward hook on each
+``TopKRouter`` of the forwarded model reads the router's ``routing_map`` (the experts its tokens are dispatched to)
+and the targets and mask verl set on it, while the router is in ``REPLAY_FORWARD`` (the backward's recomputation,
+``REPLAY_BACKWARD``, is not counted again). Nothing verl computes is changed.
+
+Metrics, per micro-batch, under the names the FSDP replay engine uses where the meaning is the same
+(:mod:`verl_stable.integration.fsdp_replay`; logged as ``actor/stable/routing/...``):
+
+* ``stable/routing/disagreement``: fraction of replayed (row, MoE layer) decisions whose *used* expert set differs
+  from the target verl set; 0 under exact replay. ``disagreement/layer_<i>`` per MoE layer (i = MoE-layer ordinal)
+  and ``disagreement/layer_max`` their maximum, so a fault confined to one layer is not averaged away.
+* ``stable/routing/compared_rows`` = ``replayed_rows``: the replayed (row, MoE layer) decisions.
+* ``stable/routing/coverage/<count>`` (:data:`~verl_stable.metric_names.COVERAGE_COUNTS`, classes in
+  :mod:`verl_stable.routing.replay_pass`): the rows the routers saw by class (response / prompt rows before the
+  sample's last trained token, not-needed rows, packing pad), with how many of each took a replayed routing, in
+  (row, MoE layer) rows. A row verl replays from a zero target (a token the rollout did not route: verl forces
+  expert 0 there) counts as not replayed, as FSDP counts a row without data. The row of each router input is mapped to its token by packing the micro-batch's token
+  classes with verl's own ``preprocess_thd_engine`` (the call verl packs the targets with) and splitting them for
+  sequence parallelism, so the classes land on the router rows the targets do; a micro-batch whose mapping does not
+  match the router's rows (a packing rule this module does not know) reports no coverage, with a warning.
+  Coverage needs ``response_mask`` (verl's layout: ``[B, R]`` next to ``attention_mask``, or nested per response).
+
+Aggregation, as on FSDP: every metric reaches verl as a :class:`verl.utils.metric.Metric`, one value per
+micro-batch (verl's ``postprocess_batch_func`` collects them with ``append_to_dict``); the fractions MEAN (``_max``:
+MAX), the coverage counts ``Metric(SUM)`` times the data-parallel size, so that verl's ``aggregate_dp`` turns them
+into the sum over ranks and micro-batches and the trainer's ``coverage_totals`` sums the mini-steps (the guard's
+``replay_coverage`` rule then works on Megatron as on FSDP). The stable metrics of the loss (``actor/stable/...``)
+are relabelled per micro-batch as FSDP's ``forward_step`` does
+(:func:`verl_stable.integration.losses.relabel_stable_metrics`).
+
+Parallelism: each rank counts the rows its routers saw; at the end of ``forward_backward_batch`` the per-micro-batch
+counts are summed over the groups that split them (the pipeline group: disjoint layers; the tensor group under
+sequence parallelism and the context group: disjoint rows), which every rank of those groups reaches, and attached
+to the output of the ranks that return metrics. Dynamic context parallelism (micro-batch-dependent groups) is not
+measured (a warning says so). Tested (tests/mcore/test_megatron_engine.py, on CPU) at world size 1, tensor parallel 2
+with sequence parallelism, and expert parallel 2; the pipeline and context-parallel sums are not exercised there.
+Written against megatron-core 0.16.1's ``TopKRouter`` (its forward returns ``probs, routing_map``) and verl 0.9.1's
+``RouterReplay``.
+
+The compact transport (:mod:`verl_stable.transport`): a batch that carries the rollout's routing in the project's
+compact form (uint8 ids, ragged spans, shared prompt rows; ``CompactRoutingAgentLoopManagerTQ``) is expanded here, on
+the actor, into verl's own int16 ``routed_experts`` (all decoder layers) before verl's engine sees it
+(:func:`verl_stable.transport.expansion.expand_compact_routing`, as the FSDP engine does): verl's Megatron replay then
+runs on exactly what verl's own agent loop would have given it, while the transport stays compact.
+
+Building the engine classes (:func:`engine_class`) and registering the language-model class for verl's
+``("megatron", cuda)`` engine keys (:func:`register`, a plugin step) are here too; the CPU engines of
+:mod:`verl_stable.cpu.megatron.engine` subclass :func:`engine_class`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
+from verl.utils.metric import AggregationType, Metric
+from verl.utils.py_functional import append_to_dict
+
+from verl_stable.compat.import_hooks import when_imported
+from verl_stable.integration.losses import relabel_stable_metrics, stable_metric_aggregation
+from verl_stable.metric_names import COVERAGE, COVERAGE_COUNTS
+from verl_stable.routing.families import layout_from_config
+from verl_stable.routing.replay_audit import (
+    ROW_PADDING,
+    coverage_row_counts,
+    disagreement_metrics,
+    rows_with_data,
+    token_classes,
+    used_vs_target,
+)
+from verl_stable.routing.replay_pass import METRIC_PREFIX, token_roles
+from verl_stable.transport.expansion import expand_compact_routing, without_compact_fields
+from verl_stable.transport.fields import IDS_FIELD
+from verl_stable.transport.side_rows import SharedRowReader
+
+__all__ = [
+    "BACKEND",
+    "ENGINE_MODULE",
+    "ENGINE_PACKAGE",
+    "MODEL_TYPE",
+    "VENDOR_KEYS",
+    "MegatronReplayMetricsMixin",
+    "engine_class",
+    "register",
+    "register_engine",
+]
+
+logger = logging.getLogger("verl_stable")
+
+ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
+# model_type -> verl's class in ENGINE_MODULE
+BASES = {"language_model": "MegatronEngineWithLMHead", "value_model": "MegatronEngineWithValueHead"}
+REPLAY_SUFFIX = "Replay"
+
+# Per micro-batch count vector: [replayed, differ] per MoE layer, then the coverage counts, then three counters.
+_COVERAGE_WIDTH = len(COVERAGE_COUNTS)
+_EXTRA = 3  # router calls measured, calls without a row map (no response_mask), calls whose row map did not fit
+
+
+@dataclass
+class _Audit:
+    """One ``forward_backward_batch``'s measurements: per micro-batch count vectors, and the hooks that fill them.
+
+    Attributes:
+        ordinals: router ``layer_number`` (1-based, global) -> MoE-layer ordinal.
+        device: where the count vectors live (the model's device).
+        counts: micro-batch slot -> count vector (int64).
+        calls: model chunk (``id``) -> ``forward_step`` calls so far: the slot of a chunk's next micro-batch.
+        slot: the micro-batch being forwarded.
+        rows: its token class per router input row (``None``: unknown, no coverage).
+        handles: the router hooks, removed at the end of the pass.
+    """
+
+    ordinals: dict[int, int]
+    device: torch.device
+    counts: dict[int, torch.Tensor] = field(default_factory=dict)
+    calls: dict[int, int] = field(default_factory=dict)
+    slot: int = 0
+    rows: torch.Tensor | None = None
+    handles: list[Any] = field(default_factory=list)
+
+    @property
+    def width(self) -> int:
+        return 2 * len(self.ordinals) + _COVERAGE_WIDTH + _EXTRA
+
+    def begin(self, chunk: Any, rows: torch.Tensor | None) -> None:
+        """The next micro-batch of ``chunk`` is about to be forwarded, its router rows classified as ``rows``."""
+        self.slot = self.calls.get(id(chunk), 0)
+        self.calls[id(chunk)] = self.slot + 1
+        self.rows = rows
+
+    def vector(self) -> torch.Tensor:
+        if self.slot not in self.counts:
+            self.counts[self.slot] = torch.zeros(self.width, dtype=torch.long, device=self.device)
+        return self.counts[self.slot]
+
+    def table(self) -> torch.Tensor:
+        """``[micro-batches, width]``: every slot any chunk forwarded, zeros where this rank measured nothing."""
+        slots = max(self.calls.values(), default=0)
+        table = torch.zeros(slots, self.width, dtype=torch.long, device=self.device)
+        for slot, vector in self.counts.items():
+            table[slot] += vector
+        return table
+
+
+class MegatronReplayMetricsMixin:
+    """The replay metrics of the module docstring, for verl's ``MegatronEngineWithLMHead`` (GPU and CPU alike).
+
+    Mixed in before verl's engine class (:func:`engine_class`); every method calls verl's implementation and only
+    measures around it. Without ``router_replay.mode`` R2 / R3 and the batch flag ``enable_routing_replay``, calls go
+    straight to verl.
+    """
+
+    # Provided by verl's MegatronEngine.
+    module: list[torch.nn.Module]
+    tf_config: Any
+    engine_config: Any
+    enable_routing_replay: bool
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._replay_audit: _Audit | None = None
+        self._audit_warned: set[str] = set()
+        self._compact_layout: Any = None  # the model's RoutingLayout, read from its config on the first compact batch
+        self._prompt_rows = SharedRowReader()
+
+    # ------------------------------------------------------------------------------------------- passes
+    def _expand_compact(self, data: TensorDict) -> TensorDict:
+        """verl's ``routed_experts`` from the compact transport's fields (the batch unchanged without them)."""
+        if IDS_FIELD not in data.keys():
+            return data
+        if self._compact_layout is None:
+            self._compact_layout = layout_from_config(self.model_config.hf_config)
+        expand_compact_routing(data, self._compact_layout, reader=self._prompt_rows)
+        return without_compact_fields(data)  # consumed: verl's micro-batch split need not index them
+
+    def forward_backward_batch(self, data: TensorDict, loss_function: Callable, forward_only: bool = False) -> Any:
+        data = self._expand_compact(data)
+        if not self._audit_wanted(data):
+            return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+        if self._replay_audit is not None:
+            raise RuntimeError("forward_backward_batch re-entered while a router replay audit is active")
+        audit = _Audit(ordinals=self._moe_ordinals(), device=next(self.module[0].parameters()).device)
+        self._replay_audit = audit
+        try:
+            self._attach_hooks(audit)
+            output = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+        finally:
+            for handle in audit.handles:
+                handle.remove()
+            self._replay_audit = None
+        self._report(audit, data, output)
+        return output
+
+    def forward_step(
+        self,
+        batch_iter: Iterator[TensorDict],
+        model: Any,
+        logits_processor_func: Callable,
+        postprocess_micro_batch_func: Callable,
+    ) -> Any:
+        audit = self._replay_audit
+        if audit is None:
+            return super().forward_step(batch_iter, model, logits_processor_func, postprocess_micro_batch_func)
+        batch = next(batch_iter)  # read here for its token classes; verl's forward_step gets it back, unchanged
+        audit.begin(model, self._router_rows(batch))
+        return super().forward_step(iter([batch]), model, logits_processor_func, postprocess_micro_batch_func)
+
+    def postprocess_micro_batch_func(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().postprocess_micro_batch_func(*args, **kwargs)
+        # the loss's stable/ metrics get the aggregation they have on FSDP (one value per micro-batch here)
+        output = result[-1]
+        if isinstance(output, dict) and output.get("metrics"):
+            relabel_stable_metrics(output["metrics"])
+        return result
+
+    # ------------------------------------------------------------------------------------------- measuring
+    def _audit_wanted(self, data: TensorDict) -> bool:
+        if not getattr(self, "enable_routing_replay", False):
+            return False
+        if not tu.get_non_tensor_data(data=data, key="enable_routing_replay", default=False):
+            return False
+        if getattr(self.engine_config, "dynamic_context_parallel", False):
+            self._warn_once("dcp", "router replay metrics are not measured under dynamic context parallelism")
+            return False
+        return True
+
+    def _moe_ordinals(self) -> dict[int, int]:
+        """Router ``layer_number`` (1-based, global) -> MoE-layer ordinal, by verl's rule for MoE layers."""
+        from verl.utils.megatron.router_replay_utils import is_moe_layer
+
+        moe_layers = [i for i in range(self.tf_config.num_layers) if is_moe_layer(self.tf_config, i)]
+        return {layer + 1: ordinal for ordinal, layer in enumerate(moe_layers)}
+
+    def _attach_hooks(self, audit: _Audit) -> None:
+        """A measuring hook on every replay-enabled router of the decoder (every model chunk of this rank)."""
+        from megatron.core.transformer.moe.router import TopKRouter
+        from verl.utils.megatron_utils import unwrap_model
+
+        for chunk in unwrap_model(self.module):
+            # the decoder's routers only: MTP layers restart their numbering (verl's replay skips them too)
+            for router in getattr(chunk, "decoder", chunk).modules():
+                if isinstance(router, TopKRouter) and getattr(router, "router_replay", None) is not None:
+                    audit.handles.append(router.register_forward_hook(self._router_hook(audit)))
+
+    def _router_hook(self, audit: _Audit) -> Callable[..., None]:
+        from verl.utils.megatron.router_replay_patch import RouterReplayAction
+
+        def hook(router: Any, args: Any, output: Any) -> None:
+            replay = router.router_replay
+            if replay.router_replay_action != RouterReplayAction.REPLAY_FORWARD:
+                return  # recording (R2 pi_old) or the backward's recomputation: counted once, in the forward
+            routing_map = output[1]
+            rows = routing_map.shape[0]
+            vector = audit.vector()
+            vector[-3] += 1
+            mask = replay.target_replay_mask
+            with torch.no_grad():
+                if replay.target_topk_idx is None:  # verl falls back to the router's own choice
+                    covered = torch.zeros(rows, dtype=torch.bool, device=routing_map.device)
+                else:
+                    replayed, differ = used_vs_target(routing_map, replay.target_topk_idx, mask)
+                    ordinal = audit.ordinals[router.layer_number]
+                    vector[2 * ordinal] += replayed
+                    vector[2 * ordinal + 1] += differ
+                    # a replayed zero row (a token the rollout did not route) forced expert 0: not covered
+                    covered = rows_with_data(replay.target_topk_idx.to(routing_map.device))
+                    if mask is not None:
+                        covered &= mask.to(routing_map.device).bool()
+                if audit.rows is None:
+                    vector[-2] += 1
+                elif audit.rows.shape[0] != rows:
+                    vector[-1] += 1
+                else:
+                    start = 2 * len(audit.ordinals)
+                    vector[start : start + _COVERAGE_WIDTH] += coverage_row_counts(audit.rows, covered)
+
+        return hook
+
+    def _router_rows(self, batch: TensorDict) -> torch.Tensor | None:
+        """The token class of each row the routers see for ``batch``, packed and split the way verl packs targets.
+
+        ``None`` when the batch has no response layout (then no coverage is counted).
+        """
+        input_ids = batch["input_ids"]
+        if not getattr(input_ids, "is_nested", False):
+            return None
+        offsets = input_ids.offsets()
+        roles = token_roles(batch, offsets)
+        if roles is None:
+            return None
+        from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+        from verl.models.mcore.util import preprocess_thd_engine
+
+        device = next(self.module[0].parameters()).device
+        classes = token_classes(offsets.cpu(), *(flag.cpu() for flag in roles)).to(device)
+        nested = torch.nested.nested_tensor_from_jagged(classes, offsets=offsets.to(device))
+        config = self.tf_config
+        dsv4 = getattr(config, "experimental_attention_variant", None) == "dsv4_hybrid"
+        with torch.no_grad():
+            # the arguments verl's set_router_replay_data packs the replay targets with
+            packed, _, _ = preprocess_thd_engine(
+                nested,
+                pre_process=True,
+                use_fp8_padding=config.fp8 in ("e4m3", "hybrid"),
+                min_local_rows=config.csa_window_size if dsv4 else None,
+                local_cp_size=tu.get_non_tensor_data(data=batch, key="local_cp_size", default=None),
+                cp_layout="contiguous" if dsv4 else "zigzag",
+            )
+            rows = scatter_to_sequence_parallel_region(packed.reshape(-1))
+        assert ROW_PADDING == 0  # preprocess_thd_engine fills the pad rows with zeros
+        return rows
+
+    def _reduce(self, table: torch.Tensor) -> torch.Tensor:
+        """Sum the counts over the groups that split a micro-batch's rows or layers (every rank of them calls)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as mpu
+
+        groups = []
+        if mpu.get_pipeline_model_parallel_world_size() > 1:
+            groups.append(mpu.get_pipeline_model_parallel_group())
+        if self.tf_config.sequence_parallel and mpu.get_tensor_model_parallel_world_size() > 1:
+            groups.append(mpu.get_tensor_model_parallel_group())
+        if mpu.get_context_parallel_world_size() > 1:
+            groups.append(mpu.get_context_parallel_group())
+        for group in groups:
+            dist.all_reduce(table, op=dist.ReduceOp.SUM, group=group)
+        return table
+
+    def _report(self, audit: _Audit, data: TensorDict, output: Any) -> None:
+        """Attach the micro-batches' metrics to verl's output (the ranks that return metrics)."""
+        table = self._reduce(audit.table()).cpu()
+        if not isinstance(output, dict) or "metrics" not in output:
+            return  # not a last pipeline stage: its counts went into the sum above
+        layers = len(audit.ordinals)
+        dp_size = int(tu.get_non_tensor_data(data=data, key="dp_size", default=1) or 1)
+        for counts in table.tolist():
+            measured, unknown, unfitted = counts[-3:]
+            if measured == 0:
+                continue  # no router replayed in this micro-batch (R2 recording)
+            replayed, differ = counts[0 : 2 * layers : 2], counts[1 : 2 * layers : 2]
+            values: dict[str, Any] = dict(disagreement_metrics(replayed, differ))
+            values["compared_rows"] = float(sum(replayed))
+            values["replayed_rows"] = float(sum(replayed))
+            metrics = {
+                METRIC_PREFIX + key: Metric(aggregation=stable_metric_aggregation(METRIC_PREFIX + key), value=value)
+                for key, value in values.items()
+            }
+            if unfitted:
+                self._warn_once(
+                    "rows",
+                    "router replay coverage not counted: the packed micro-batch does not match the router's rows "
+                    "(verl's packing changed?)",
+                )
+            elif not unknown:
+                coverage = counts[2 * layers : 2 * layers + _COVERAGE_WIDTH]
+                for name, count in zip(COVERAGE_COUNTS, coverage, strict=True):
+                    # a SUM metric is averaged over dp ranks by verl's aggregate_dp: times dp_size is the sum
+                    metrics[f"{COVERAGE}/{name}"] = Metric(
+                        aggregation=AggregationType.SUM, value=float(count * dp_size)
+                    )
+            append_to_dict(output["metrics"], metrics)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._audit_warned:
+            self._audit_warned.add(key)
+            logger.warning("verl-stable: %s", message)
+
+
+# ------------------------------------------------------------------------------------------- classes
+_CLASSES: dict[str, type] = {}
+
+
+def engine_class(model_type: str = "language_model") -> type:
+    """``(MegatronReplayMetricsMixin, verl's Megatron engine for model_type)``, built once, on first use.
+
+    Built lazily: importing this module (the plugin does, in every process) must not import megatron-core.
+
+    Raises:
+        KeyError: an unknown model type.
+    """
+    if model_type not in _CLASSES:
+        import importlib
+
+        base = getattr(importlib.import_module(ENGINE_MODULE), BASES[model_type])
+        name = base.__name__ + REPLAY_SUFFIX
+        _CLASSES[model_type] = type(
+            name,
+            (MegatronReplayMetricsMixin, base),
+            {"__module__": __name__, "__qualname__": name, "__doc__": __doc__},
+        )
+    return _CLASSES[model_type]
+
+
+def __getattr__(name: str) -> type:
+    # importable (and picklable) by name: verl_stable.integration.megatron_replay.MegatronEngineWithLMHeadReplay
+    for model_type, base_name in BASES.items():
+        if name == base_name + REPLAY_SUFFIX:
+            return engine_class(model_type)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# (device, vendor) keys: verl's get_engine_cls looks these up before the device-only "cuda" key where verl registers
+# its own Megatron engine, so ours is selected without replacing verl's registration. On the CPU platform the
+# ("cpu", "cpu") key gets engine_class under the Megatron CPU runtime (verl_stable.cpu.megatron.engine), ahead of the
+# plain "cpu" key where the CPU runtime registers verl's own class.
+VENDOR_KEYS: tuple[tuple[str, str], ...] = (("cuda", "nvidia"), ("cuda", "amd"))
+CPU_KEY: tuple[str, str] = ("cpu", "cpu")
+BACKEND = "megatron"
+MODEL_TYPE = "language_model"
+ENGINE_PACKAGE = "verl.workers.engine"  # imports verl's Megatron engine where megatron-core is installed
+
+
+def register_engine() -> list[str]:
+    """Register the language-model class of :func:`engine_class` for every (cuda, vendor) key (idempotent).
+
+    Nothing is registered where verl could not import its Megatron engine (no megatron-core).
+
+    Raises:
+        RuntimeError: another engine class already holds one of the keys.
+    """
+    import importlib
+
+    from verl.workers.engine.base import EngineRegistry
+
+    if getattr(importlib.import_module(ENGINE_PACKAGE), BASES[MODEL_TYPE], None) is None:
+        return [f"skipped: verl's Megatron engine is not importable ({ENGINE_PACKAGE}.{BASES[MODEL_TYPE]} is None)"]
+    cls = engine_class(MODEL_TYPE)
+    classes = {key: cls for key in VENDOR_KEYS}
+    from verl_stable.cpu.platform import cpu_selected
+
+    if cpu_selected():
+        from verl_stable.cpu.megatron.engine import cpu_engine_class
+
+        classes[CPU_KEY] = cpu_engine_class(MODEL_TYPE, cls)
+    done = []
+    for key, cls in classes.items():
+        existing = EngineRegistry._engines.get(MODEL_TYPE, {}).get(BACKEND, {}).get(key)
+        if existing is None:
+            EngineRegistry.register(model_type=MODEL_TYPE, backend=BACKEND, device=key[0], vendor=key[1])(cls)
+        elif existing is not cls:
+            raise RuntimeError(
+                f"engine key ({MODEL_TYPE}, {BACKEND}, {key}) is already held by {existing.__module__}."
+                f"{existing.__qualname__}; the Megatron replay metrics cannot be installed"
+            )
+        done.append(f"engine:{MODEL_TYPE}/{BACKEND}/{key[0]}:{key[1]}")
+    return done
+
+
+def register() -> list[str]:
+    """Plugin step: select the measuring Megatron engine for cuda (nvidia, amd).
+
+    Registers at once when verl's engine package is already imported, else right after it is. A failure of the
+    deferred registration is logged, not raised: verl's own engine still replays, only these metrics are missing.
+    Returns what is (or will be) registered.
+    """
+    hook = when_imported(ENGINE_PACKAGE, register_engine, deferred_errors="log")
+    if hook.fired:
+        return hook.result
+    keys = "|".join(f"{k[0]}:{k[1]}" for k in VENDOR_KEYS)
+    return [f"engine:{MODEL_TYPE}/{BACKEND}/{keys} (on import of {ENGINE_PACKAGE}, where megatron-core is installed)"]

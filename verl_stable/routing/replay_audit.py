@@ -1,0 +1,192 @@
+"""What a router replay actually did, measured from the routers' own outputs: pure torch, no verl import.
+
+An engine that replays routing itself (verl's Megatron engine: each router holds target top-k ids and, under R3, a
+per-row replay mask) reports nothing about whether the experts the router ended up using are the targets it was
+given. These functions compare the two, one router call at a time, and classify the rows the router saw for the
+replay coverage (the classes of :mod:`verl_stable.routing.replay_pass`):
+
+* :func:`token_classes`: per packed token, prompt / response / not-needed (:data:`ROW_PROMPT`, :data:`ROW_RESPONSE`,
+  :data:`ROW_NOT_NEEDED`); rows of the model input that are no token are :data:`ROW_PADDING`;
+* :func:`used_vs_target`: how many rows were replayed and how many of them used another expert set than the target;
+* :func:`rows_with_data`: which target rows hold a routing at all (an engine that replays zero rows, as verl's
+  Megatron replay does with the rows a rollout did not route, forces expert 0 there: for the coverage that row fell
+  back, it did not get the rollout's routing);
+* :func:`coverage_row_counts`: one router call's rows by class, and how many of each class were replayed, in the
+  order of :data:`~verl_stable.metric_names.COVERAGE_COUNTS` (summed over the MoE layers they give (token, layer)
+  rows);
+* :func:`disagreement_metrics`: the disagreement per MoE layer, its maximum and the overall fraction from counts.
+
+Counts stay tensors on the router's device (no host synchronisation per router call); the caller sums them over
+layers, micro-batch slices and ranks before reading them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from verl_stable.metric_names import COVERAGE_COUNTS
+
+ROW_PADDING = 0
+"""A row of the model input that is no token (packing pad)."""
+ROW_PROMPT = 1
+"""A prompt token before its sample's last trained token (its routing feeds a trained log-prob)."""
+ROW_RESPONSE = 2
+"""A response token before its sample's last trained token."""
+ROW_NOT_NEEDED = 3
+"""A token from its sample's last trained token on: its routing feeds no trained log-prob."""
+NUM_ROW_CLASSES = 4
+
+
+def token_classes(offsets: torch.Tensor, is_prompt: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
+    """The coverage class of every packed token (``ROW_PROMPT``, ``ROW_RESPONSE`` or ``ROW_NOT_NEEDED``).
+
+    A token is needed iff it lies before its sample's last trained token (the log-prob at position ``p`` comes from
+    the hidden state at ``p - 1``); a sample without a trained token needs none.
+
+    Args:
+        offsets: ``[B + 1]`` cu_seqlens of the packed samples.
+        is_prompt: ``[tokens]`` bool, prompt tokens.
+        trained: ``[tokens]`` bool, tokens whose log-prob is trained (``response_mask == 1``).
+
+    Returns:
+        ``[tokens]`` int64 class codes on ``is_prompt``'s device.
+
+    Raises:
+        ValueError: If the flags do not have one entry per token of ``offsets``.
+    """
+    tokens = int(offsets[-1])
+    if is_prompt.shape != (tokens,) or trained.shape != (tokens,):
+        raise ValueError(
+            f"token classes need one prompt / trained flag per token ({tokens}), got {tuple(is_prompt.shape)} and "
+            f"{tuple(trained.shape)}"
+        )
+    device = is_prompt.device
+    lengths = offsets.diff().to(device)
+    sample = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
+    position = torch.arange(tokens, device=device)
+    last_trained = torch.full((lengths.numel(),), -1, dtype=torch.long, device=device)
+    last_trained.scatter_reduce_(0, sample, torch.where(trained.to(device).bool(), position, -1), reduce="amax")
+    needed = position < last_trained[sample]
+    classes = torch.full((tokens,), ROW_NOT_NEEDED, dtype=torch.long, device=device)
+    classes[needed & is_prompt.bool()] = ROW_PROMPT
+    classes[needed & ~is_prompt.bool()] = ROW_RESPONSE
+    return classes
+
+
+def used_vs_target(
+    routing_map: torch.Tensor, target_ids: torch.Tensor, replay_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replayed rows of one router call, and how many of them used another expert set than their target.
+
+    Sets are compared, so a target with a repeated id (a zero placeholder row) matches the one expert it names.
+
+    Args:
+        routing_map: ``[rows, experts]`` bool, the experts each row was dispatched to (the router's output).
+        target_ids: ``[rows, top_k]`` integer expert ids the replay was told to use.
+        replay_mask: ``[rows]`` bool, the rows that were to be replayed; ``None``: every row.
+
+    Returns:
+        ``(replayed, differ)``: two 0-d int64 tensors on ``routing_map``'s device.
+
+    Raises:
+        ValueError: If the shapes do not describe the same rows.
+    """
+    if routing_map.dim() != 2 or target_ids.dim() != 2 or target_ids.shape[0] != routing_map.shape[0]:
+        raise ValueError(
+            f"routing map {tuple(routing_map.shape)} and targets {tuple(target_ids.shape)} are not the same rows"
+        )
+    if replay_mask is not None and replay_mask.shape != (routing_map.shape[0],):
+        raise ValueError(f"replay mask {tuple(replay_mask.shape)} is not one flag per row ({routing_map.shape[0]})")
+    used = routing_map.bool()
+    target = torch.zeros_like(used).scatter_(1, target_ids.to(device=used.device, dtype=torch.long), True)
+    differ = (used != target).any(dim=-1)
+    if replay_mask is None:
+        return torch.tensor(used.shape[0], dtype=torch.long, device=used.device), differ.sum()
+    mask = replay_mask.to(used.device).bool()
+    return mask.sum(), (differ & mask).sum()
+
+
+def rows_with_data(target_ids: torch.Tensor) -> torch.Tensor:
+    """``[rows, top_k]`` target ids -> ``[rows]`` bool: the rows that hold a routing (``top_k`` distinct experts).
+
+    Rollout engines leave tokens they did not route as zero rows and packing pads with zeros; a genuine top-k choice
+    with ``top_k >= 2`` never repeats an expert. With ``top_k == 1`` a zero row cannot be told from a choice of
+    expert 0 in one layer alone, so every row counts as data.
+    """
+    if target_ids.dim() != 2:
+        raise ValueError(f"target ids must be [rows, top_k], got {tuple(target_ids.shape)}")
+    if target_ids.shape[1] < 2:
+        return torch.ones(target_ids.shape[0], dtype=torch.bool, device=target_ids.device)
+    ordered = target_ids.sort(dim=-1).values
+    return (ordered[:, 1:] != ordered[:, :-1]).all(dim=-1)
+
+
+def coverage_row_counts(row_classes: torch.Tensor, replayed: torch.Tensor | None) -> torch.Tensor:
+    """One router call's rows by coverage class, in the order of :data:`COVERAGE_COUNTS`.
+
+    Args:
+        row_classes: ``[rows]`` class codes (``ROW_*``), one per row the router saw.
+        replayed: ``[rows]`` bool, rows that took the replayed routing; ``None``: every row.
+
+    Returns:
+        ``[6]`` int64 on ``row_classes``' device: response rows, replayed response rows, prompt rows, replayed prompt
+        rows, not-needed rows, padding rows.
+
+    Raises:
+        ValueError: If ``replayed`` is not one flag per row.
+    """
+    codes = row_classes.to(torch.long)
+    if replayed is None:
+        flags = torch.ones_like(codes)
+    else:
+        if replayed.shape != codes.shape:
+            raise ValueError(f"replayed flags {tuple(replayed.shape)} are not one per row {tuple(codes.shape)}")
+        flags = replayed.to(codes.device).to(torch.long)
+    # one count over class * 2 + replayed; scatter_add into a fixed size, where bincount would read the maximum back
+    # to the host (a synchronisation per router call on an accelerator)
+    index = codes * 2 + flags
+    table = torch.zeros(2 * NUM_ROW_CLASSES, dtype=torch.long, device=codes.device)
+    table = table.scatter_add_(0, index, torch.ones_like(index)).reshape(NUM_ROW_CLASSES, 2)
+    total = table.sum(dim=1)
+    counts = torch.stack(
+        [
+            total[ROW_RESPONSE],
+            table[ROW_RESPONSE, 1],
+            total[ROW_PROMPT],
+            table[ROW_PROMPT, 1],
+            total[ROW_NOT_NEEDED],
+            total[ROW_PADDING],
+        ]
+    )
+    assert counts.numel() == len(COVERAGE_COUNTS)
+    return counts
+
+
+def disagreement_metrics(replayed: Sequence[float], differ: Sequence[float]) -> dict[str, float]:
+    """Disagreement of the used experts with the replay targets, from per-MoE-layer counts.
+
+    Args:
+        replayed: replayed rows per MoE layer (ordinal order).
+        differ: of those, rows whose used expert set differs from the target.
+
+    Returns:
+        ``{"disagreement": overall, "disagreement/layer_<i>": per layer, "disagreement/layer_max": their maximum}``;
+        a layer without replayed rows counts 0 (nothing replayed, nothing disagrees), as does the overall value.
+
+    Raises:
+        ValueError: If the lists differ in length or a layer has more differing than replayed rows.
+    """
+    if len(replayed) != len(differ):
+        raise ValueError(f"{len(replayed)} replayed counts for {len(differ)} differing counts")
+    per_layer = []
+    for i, (n, d) in enumerate(zip(replayed, differ, strict=True)):
+        if d > n or d < 0:
+            raise ValueError(f"MoE layer {i}: {d} differing rows of {n} replayed")
+        per_layer.append(d / n if n > 0 else 0.0)
+    total = sum(replayed)
+    metrics = {"disagreement": sum(differ) / total if total > 0 else 0.0}
+    metrics.update({f"disagreement/layer_{i}": value for i, value in enumerate(per_layer)})
+    metrics["disagreement/layer_max"] = max(per_layer, default=0.0)
+    return metrics
