@@ -1,5 +1,5 @@
-"""End to end (issue #17): two lab-style runs of verl's ``main_ppo`` with one seed log the same metrics; another seed
-does not.
+"""End to end (issue #17): two lab-style runs of verl's ``main_ppo`` with one seed log the same metrics (that another
+seed does not is asserted on the lab's two-seed run, ``tests/lab/test_lab_sweep.py::test_mini_preset_end_to_end``).
 
 Each run is the lab's MiniRL variant at N = 2 (two updates per step, so the order samples reach the trainer decides
 the mini-batches), 2 steps of 2 prompts x 4 samples, fp8 rollout weights on the ``hf`` backend with cross-request
@@ -8,7 +8,7 @@ runs of one seed already differed at step 1 (reward 0.081 vs 0.125, ``actor/pg_l
 
 Every run uses two agent-loop workers (issue #25; the CPU runtime's default is one): verl splits each dispatch over
 them and they finish in any order, so the order samples reach the trainer comes only from the dispatch order the
-project restores (``stable_sync``: the manager's ``DispatchLedger``). A fourth run takes verl's own ``sync`` trainer
+project restores (``stable_sync``: the manager's ``DispatchLedger``). A third run takes verl's own ``sync`` trainer
 with the same seed: there the workers put samples in dispatch order, across workers through the global turns the
 first worker holds (``DispatchTurns``), and the run must log what the ``stable_sync`` run logged.
 
@@ -75,9 +75,8 @@ def runs(cpu_assets, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("repro")
     first = _run(workdir, cpu_assets, "seed0_a", 0)
     again = _run(workdir, cpu_assets, "seed0_b", 0)
-    other = _run(workdir, cpu_assets, "seed1", 1)
     verl_sync = _run(workdir, cpu_assets, "seed0_verl_sync", 0, trainer_mode="sync")
-    return first, again, other, verl_sync
+    return first, again, verl_sync
 
 
 def _values(rows: list[dict]) -> dict[tuple[int, str], float]:
@@ -107,22 +106,11 @@ def test_one_seed_twice_gives_the_same_samples_rewards_and_losses(runs):
     assert differ == []
 
 
-def test_another_seed_samples_something_else(runs):
-    first, _, other, _ = (_values(r) for r in runs)
-    changed = [
-        key
-        for key in first
-        if key[1] in ("critic/score/mean", "response_length/mean", "actor/pg_loss")
-        and other[key] != pytest.approx(first[key], rel=TOL, abs=TOL)
-    ]
-    assert changed, "seed 1 logged the same rewards, response lengths and losses as seed 0"
-
-
 def test_verls_own_sync_trainer_with_two_workers_logs_the_same_run(runs):
     """Same seed under verl's ``sync`` (no monitor: only the metrics both log are compared): ordered puts across the
     two workers give the trainer the batches ``stable_sync`` sorted by its ledger, hence the same samples, rewards and
     losses."""
-    first, verl_sync = _values(runs[0]), _values(runs[3])
+    first, verl_sync = _values(runs[0]), _values(runs[2])
     shared = first.keys() & verl_sync.keys()
     assert {k for _, k in shared} >= {"critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm"}
     exact = {key for key in shared if key[1].startswith(EXACT_PREFIXES)}

@@ -124,6 +124,14 @@ def test_mini_preset_end_to_end(tmp_path, monkeypatch):
     run_dir = out / "runs" / "minirl_r3__N2__s0"
     all_rows = sweep.load_rows(out)
     assert sorted((r["seed"], r["step"]) for r in all_rows) == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    # another seed samples something else (moved here from tests/cpu/test_reproducible_runs.py: same seeding path,
+    # data.seed and rollout.seed, one verl start fewer); that one seed twice samples alike is asserted there
+    by_seed = {(r["seed"], r["step"]): r for r in all_rows}
+    assert any(
+        by_seed[(0, step)][key] != by_seed[(1, step)][key]
+        for step in (1, 2)
+        for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss")
+    ), "seed 1 logged the same rewards, response lengths and losses as seed 0"
     for row in all_rows:
         assert (row["variant"], row["staleness"]) == ("minirl_r3", 2)
         assert report.metric(row, "routing_disagreement") == 0.0  # R3: updates used exactly the rollout's routing
