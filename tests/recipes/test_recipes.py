@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 
 from verl_stable import recipe_cli
 from verl_stable import recipes as R
+from verl_stable.cpu.megatron import options as megatron_options
 from verl_stable.toy import launch
 
 CHECKOUT = Path(__file__).resolve().parents[2]
@@ -395,9 +396,23 @@ def test_cpu_version_of_each_regime_keeps_n_loss_and_replay(regime):
     assert v.rollout.enable_rollout_routing_replay is export and v.algorithm.adv_estimator == "minirl"
 
 
-def test_cpu_overrides_refuse_megatron():
-    with pytest.raises(ValueError, match="only the fsdp recipes"):
-        launch.regime_overrides("vespo", FAKE_ASSETS, backend="megatron")
+def test_cpu_overrides_of_the_megatron_actor_replace_the_fsdp_ones_and_an_unknown_backend_is_refused():
+    fsdp = launch.regime_overrides("vespo", FAKE_ASSETS, backend="fsdp")
+    megatron = launch.regime_overrides("vespo", FAKE_ASSETS, backend="megatron")
+    assert "actor_rollout_ref.actor.strategy=fsdp2" in fsdp
+    assert not [
+        o
+        for o in megatron
+        if o.startswith(("actor_rollout_ref.actor.strategy=", "actor_rollout_ref.model.use_remove_padding=False"))
+    ]
+    for option in megatron_options.overrides():
+        assert option in megatron
+    # the rest (data, rollout, geometry) is the same for both back ends
+    assert [o for o in fsdp if not o.startswith(launch.FSDP_ONLY_KEYS)] == [
+        o for o in megatron if o not in megatron_options.overrides()
+    ]
+    with pytest.raises(ValueError, match=r"backend must be one of \('fsdp', 'megatron'\)"):
+        launch.regime_overrides("vespo", FAKE_ASSETS, backend="deepspeed")
 
 
 # The minirl_n2_r2 recipe runs end to end through verl's main_ppo in
