@@ -358,14 +358,16 @@ class StabilityMonitorMixin:
         from verl.utils.skip import SkipManager
 
         trainer_config = self.config.trainer
-        saved = (trainer_config.resume_mode, trainer_config.get("resume_from_path"))
+        keys = ("resume_mode", "resume_from_path", "del_local_ckpt_after_load")
+        saved = {key: trainer_config.get(key) for key in keys}
         with open_dict(trainer_config):
-            trainer_config.resume_mode, trainer_config.resume_from_path = "resume_path", folder
+            # a rollback keeps the checkpoint it loads: a later rollback (max_rollbacks > 1) may need it again
+            trainer_config.update(resume_mode="resume_path", resume_from_path=folder, del_local_ckpt_after_load=False)
         try:
             self._load_checkpoint()
         finally:
             with open_dict(trainer_config):
-                trainer_config.resume_mode, trainer_config.resume_from_path = saved
+                trainer_config.update(saved)
         if self.global_steps != to_step:
             raise RuntimeError(f"rollback to {folder}: verl resumed at step {self.global_steps}, expected {to_step}")
         self.train_dataloader_it = None
