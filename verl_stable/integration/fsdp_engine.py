@@ -20,6 +20,7 @@ from typing import Any
 
 from verl_stable.compat.import_hooks import pending_hooks, when_imported
 from verl_stable.integration import fsdp_replay
+from verl_stable.integration.engine_keys import hold_engine_key
 from verl_stable.integration.fsdp_replay import RouterReplayMixin
 from verl_stable.routing.replay_pass import (
     METRIC_PREFIX,
@@ -98,22 +99,9 @@ def register_engine() -> list[str]:
     Raises:
         RuntimeError: another engine class already holds one of the keys.
     """
-    from verl.workers.engine.base import EngineRegistry
-
     cls = engine_class()
-    done = []
-    for backend in BACKENDS:
-        for key in VENDOR_KEYS:
-            existing = EngineRegistry._engines.get(MODEL_TYPE, {}).get(backend, {}).get(key)
-            if existing is None:
-                EngineRegistry.register(model_type=MODEL_TYPE, backend=backend, device=key[0], vendor=key[1])(cls)
-            elif existing is not cls:
-                raise RuntimeError(
-                    f"engine key ({MODEL_TYPE}, {backend}, {key}) is already held by {existing.__module__}."
-                    f"{existing.__qualname__}; router replay for the FSDP engine cannot be installed"
-                )
-            done.append(f"engine:{MODEL_TYPE}/{backend}/{key[0]}:{key[1]}")
-    return done
+    purpose = "router replay for the FSDP engine"
+    return [hold_engine_key(MODEL_TYPE, backend, key, cls, purpose) for backend in BACKENDS for key in VENDOR_KEYS]
 
 
 # The module an upstream verl with its own FSDP router replay ships (patches/verl-0.9.1-fsdp-router-replay.diff).

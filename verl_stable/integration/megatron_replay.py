@@ -69,6 +69,7 @@ from verl.utils.metric import AggregationType, Metric
 from verl.utils.py_functional import append_to_dict
 
 from verl_stable.compat.import_hooks import when_imported
+from verl_stable.integration.engine_keys import hold_engine_key
 from verl_stable.integration.losses import relabel_stable_metrics, stable_metric_aggregation
 from verl_stable.metric_names import COVERAGE, COVERAGE_COUNTS
 from verl_stable.routing.families import layout_from_config
@@ -433,8 +434,6 @@ def register_engine() -> list[str]:
     """
     import importlib
 
-    from verl.workers.engine.base import EngineRegistry
-
     if getattr(importlib.import_module(ENGINE_PACKAGE), BASES[MODEL_TYPE], None) is None:
         return [f"skipped: verl's Megatron engine is not importable ({ENGINE_PACKAGE}.{BASES[MODEL_TYPE]} is None)"]
     cls = engine_class(MODEL_TYPE)
@@ -445,18 +444,8 @@ def register_engine() -> list[str]:
         from verl_stable.cpu.megatron.engine import cpu_engine_class
 
         classes[CPU_KEY] = cpu_engine_class(MODEL_TYPE, cls)
-    done = []
-    for key, cls in classes.items():
-        existing = EngineRegistry._engines.get(MODEL_TYPE, {}).get(BACKEND, {}).get(key)
-        if existing is None:
-            EngineRegistry.register(model_type=MODEL_TYPE, backend=BACKEND, device=key[0], vendor=key[1])(cls)
-        elif existing is not cls:
-            raise RuntimeError(
-                f"engine key ({MODEL_TYPE}, {BACKEND}, {key}) is already held by {existing.__module__}."
-                f"{existing.__qualname__}; the Megatron replay metrics cannot be installed"
-            )
-        done.append(f"engine:{MODEL_TYPE}/{BACKEND}/{key[0]}:{key[1]}")
-    return done
+    purpose = "the Megatron replay metrics"
+    return [hold_engine_key(MODEL_TYPE, BACKEND, key, held, purpose) for key, held in classes.items()]
 
 
 def register() -> list[str]:
