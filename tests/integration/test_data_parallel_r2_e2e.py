@@ -22,6 +22,8 @@ and the replay coverage row counts summed over mini-steps, micro-batches and ran
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from testkit.ray_logs import actors
 
@@ -129,3 +131,24 @@ def test_two_ranks_sample_and_record_what_one_rank_does(runs):
     assert loads == sorted(k for k in first2 if k.startswith("stable/routing/load/"))
     for key in loads:
         assert first2[key] == pytest.approx(first1[key], abs=1e-9), key
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("dp", RUNS)
+def test_the_recipe_trains_with_minirl_and_the_monitor_reduces_the_mini_steps(runs, dp):
+    """The shipped recipe as the monitor sees it (the one e2e run of ``minirl_n2_r2`` on the hf backend)."""
+    rows = runs[dp][0]
+    for row in rows:
+        # verl's reduction over the two updates, moved from actor/stable/... to stable/...
+        assert row["stable/staleness/ratio_dev_max"] == pytest.approx(row["stable/staleness/update_1/ratio_dev_max"])
+        drift = (row["stable/routing/update_0/r2_drift"] + row["stable/routing/update_1/r2_drift"]) / 2
+        assert row["stable/routing/r2_drift"] == pytest.approx(drift)
+        assert row["stable/routing/disagreement"] == 0.0  # both updates used pi_old's experts
+        assert not any(k.startswith("actor/stable/") for k in row)
+        # the recipe itself: minirl loss with token IS weights, R2 replay through the plugin's FSDP engine
+        assert math.isfinite(row["actor/pg_loss"]) and row["actor/grad_norm"] > 0
+        assert "rollout_corr/k3_kl" in row  # token IS weights were computed and reached the loss
+        assert "actor/MiniRL/ratio_mean" in row and "stable/entropy/mean" in row
+        assert row["stable/routing/replayed_rows"] > 0
+    # N = 2: the second mini-step of a step sees pi_theta != pi_old (on-policy the ratio would be exactly 1)
+    assert rows[0]["actor/MiniRL/ratio_min"] < 1.0 < rows[0]["actor/MiniRL/ratio_max"]

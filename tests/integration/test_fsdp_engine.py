@@ -504,49 +504,10 @@ def test_plugin_registration_is_deferred_until_verl_imports_its_engines():
 
 
 # ----------------------------------------------------------------------------------------------- end to end
-# verl's real trainer (main_ppo, V1) on the CPU runtime with the ``hf`` rollout exporting routing. Slow: e2e.
-@pytest.fixture(scope="module")
-def e2e_assets(tmp_path_factory):
-    from verl_stable.toy.assets import AssetSpec, ensure_assets
-
-    return ensure_assets(tmp_path_factory.mktemp("assets"), AssetSpec(task="copy"))
-
-
-def _e2e_run(assets, workdir, mode: str, *extra: str, routing_capture: bool = True):
-    from verl_stable.toy import launch
-
-    overrides = launch.cpu_overrides(
-        assets, steps=2, precision="bf16", routing_capture=routing_capture, metrics_logger=("file",)
-    )
-    overrides += [
-        f"trainer.default_local_dir={workdir / 'checkpoints'}",
-        f"+actor_rollout_ref.actor.fsdp_config.router_replay.mode={mode}",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2",  # two update mini-steps per step
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",  # two micro-batches per mini-step
-        *extra,
-    ]
-    proc = launch.run_main_ppo(overrides, workdir, timeout_s=1500)
-    log = (workdir / "main_ppo.log").read_text()
-    assert proc.returncode == 0, log[-4000:]
-    return launch.read_metrics(workdir / "metrics.jsonl")
-
-
-def _actor_metric(row, name):
-    return row[f"actor/{fe.METRIC_PREFIX}{name}"]
-
-
-# R3 and R2 through verl's main_ppo run once each, with this engine, in
-# tests/integration/test_rollout_routing.py::test_e2e_r3_actors_receive_the_compact_form_and_replay_it (bf16 rollout,
-# two update mini-steps of two micro-batches) and
-# tests/integration/test_monitor_e2e_modes.py::test_n2_r2_recipe_logs_staleness_and_r2_drift_per_update_mini_step.
-
-
-@pytest.mark.e2e
-def test_e2e_disabled_shows_the_precision_mismatch(e2e_assets, tmp_path):
-    rows = _e2e_run(e2e_assets, tmp_path / "off", "disabled")
-    for row in rows:
-        assert _actor_metric(row, "disagreement") > 0.0  # bf16 rollout routed differently from fp32 training
-        assert f"actor/{fe.METRIC_PREFIX}replayed_rows" not in row
+# This engine runs through verl's real trainer (main_ppo, V1) on the CPU runtime with the ``hf`` rollout exporting
+# routing in: tests/integration/test_rollout_routing.py::test_e2e_r3_actors_receive_the_compact_form_and_replay_it (R3,
+# bf16 rollout, two update mini-steps of two micro-batches), tests/integration/test_data_parallel_r2_e2e.py (R2, the
+# minirl_n2_r2 recipe) and tests/integration/test_monitor_e2e.py (replay off: the bf16 rollout's routing differs).
 
 
 # ----------------------------------------------------------------------------------------------- upstream verl

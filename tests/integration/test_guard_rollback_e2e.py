@@ -91,4 +91,5 @@ def test_with_only_stop_the_same_run_stops_at_the_damage(spiked_runs):
     assert rc != 0
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[2]["stable/entropy/mean"] < 2.0 and rows[2]["stable/guard/entropy_drop"] == 1.0
-    assert "GuardTripped" in log and "entropy_drop" in log
+    # the loop ended right after logging the tripping step, and the log says where and why
+    assert "GuardTripped" in log and "verl-stable guard stopped the run at step 3: [entropy_drop]" in log, log[-3000:]

@@ -29,7 +29,12 @@ def _run(assets, workdir, *extra, steps, **kwargs):
 def test_healthy_run_logs_stable_metrics_and_is_not_stopped(assets, tmp_path):
     experts = AssetSpec().num_experts
     rc, log, rows = _run(
-        assets, tmp_path / "healthy", f"+stable.monitor.num_experts={experts}", steps=3, routing_capture=True
+        assets,
+        tmp_path / "healthy",
+        f"+stable.monitor.num_experts={experts}",
+        steps=3,
+        routing_capture=True,
+        precision="bf16",
     )
     assert rc == 0, log[-3000:]
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -46,23 +51,8 @@ def test_healthy_run_logs_stable_metrics_and_is_not_stopped(assets, tmp_path):
         assert {f"stable/routing/load/layer_{i}/cv" for i in range(4)} <= set(row)
     assert "stable/entropy/slope" in rows[-1]
     assert "GuardTripped" not in log
-
-
-def test_destabilised_run_is_stopped_by_the_guard_with_its_reason(assets, tmp_path):
-    rc, log, rows = _run(
-        assets,
-        tmp_path / "destabilised",
-        "actor_rollout_ref.actor.optim.lr=10.0",  # absurd learning rate
-        "+stable.guard.rules.entropy_collapse.window=2",
-        "trainer.save_freq=1",
-        steps=6,
-        rollout_is=None,  # no IS weight
-    )
-    assert rc != 0
-    assert "GuardTripped" in log and "verl-stable guard stopped the run at step" in log, log[-3000:]
-    tripped = [r for r in rows if any(v == 1.0 for k, v in r.items() if k.startswith("stable/guard/"))]
-    assert tripped, "the tripping step's metrics were not logged"
-    trip_step = tripped[0]["step"]
-    assert rows[-1]["step"] == trip_step < 6  # the loop ended right after logging the tripping step
-    rule = next(k.split("/")[-1] for k, v in tripped[0].items() if k.startswith("stable/guard/") and v == 1.0)
-    assert f"[{rule}]" in log
+    # replay off (the default): the plugin's FSDP engine still measures the actor's routing against the exported one,
+    # and the bf16 rollout routed some tokens to other experts than the fp32 actor does
+    for row in rows:
+        assert row["stable/routing/disagreement"] > 0.0
+        assert "stable/routing/replayed_rows" not in row

@@ -415,6 +415,5 @@ def test_cpu_overrides_of_the_megatron_actor_replace_the_fsdp_ones_and_an_unknow
         launch.regime_overrides("vespo", FAKE_ASSETS, backend="deepspeed")
 
 
-# The minirl_n2_r2 recipe runs end to end through verl's main_ppo in
-# tests/integration/test_monitor_e2e_modes.py::test_n2_r2_recipe_logs_staleness_and_r2_drift_per_update_mini_step, which
-# checks the minirl loss, token IS weights, R2 replay and the monitor on it (one e2e run instead of two).
+# The minirl_n2_r2 recipe runs end to end through verl's main_ppo in tests/integration/test_data_parallel_r2_e2e.py
+# (at dp = 1 and 2), which checks the minirl loss, token IS weights, R2 replay and the monitor on it.
