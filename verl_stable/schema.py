@@ -38,6 +38,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 __all__ = [
     "ConfigError",
     "DEFAULT_SHARE_MIN_BYTES",
+    "ESCALATION_KEYS",
+    "EscalationOptions",
     "GuardOptions",
     "HFEngineOptions",
     "MAX_WINDOW",
@@ -221,6 +223,26 @@ def _numeric_string(value: Any) -> Any:
     return value
 
 
+class EscalationOptions(_Strict):
+    """``escalate_to`` of an ``escalate`` rule: the stricter rollout correction the run moves to when the rule fires.
+
+    The keys are fields of verl's ``algorithm.rollout_correction`` that verl's trainer reads afresh at every step (it
+    computes the IS weights and the rejection mask from the rollout's and pi_old's log-probs before the update), so
+    a change applies from the next step on; only the keys given are changed. The values are verl's own (checked with
+    verl's own rollout-correction code before the run starts: ``rollout_rs`` names such as ``token_k3``, thresholds
+    as numbers or ``"lower_upper"`` strings).
+    """
+
+    rollout_is: Literal["token", "sequence"] | None = None
+    rollout_is_threshold: Annotated[float, Field(gt=0, allow_inf_nan=False)] | str | None = None
+    rollout_is_batch_normalize: bool | None = None
+    rollout_rs: Name | None = None
+    rollout_rs_threshold: Annotated[float, Field(gt=0, allow_inf_nan=False)] | str | None = None
+
+
+ESCALATION_KEYS: tuple[str, ...] = tuple(EscalationOptions.model_fields)
+
+
 class RuleOptions(_Strict):
     """One entry of ``stable.guard.rules``: fields of :class:`verl_stable.monitor.guard.Rule` to set.
 
@@ -234,12 +256,13 @@ class RuleOptions(_Strict):
     metrics: Annotated[tuple[Name, ...], BeforeValidator(_names), Field(min_length=1)] | None = None
     threshold: Annotated[Annotated[float, Field(allow_inf_nan=False)] | None, BeforeValidator(_numeric_string)] = None
     window: Window | None = None
-    action: Literal["warn", "stop", "stop_checkpoint", "skip_update", "rollback"] | None = None
+    action: Literal["warn", "stop", "stop_checkpoint", "skip_update", "rollback", "escalate"] | None = None
     enabled: bool = True
     slope_tolerance: FiniteNonNegative | None = None
     optional: bool | None = None
     max_skips: Window | None = None
     max_rollbacks: Window | None = None
+    escalate_to: EscalationOptions | None = None
 
 
 class GuardOptions(_Strict):

@@ -129,6 +129,16 @@ PATCHES: tuple[Patch, ...] = (
         "verl offers a public register function for rollout adapters",
     ),
     Patch(
+        "skip_imports",
+        "sys.meta_path",
+        "process",
+        "verl_stable.compat.skip_imports",
+        "verl's engine package imports its Megatron engine (megatron-core, ~1.9 s) in every process wherever "
+        "megatron-core is installed, also in runs that never build it; VERL_STABLE_SKIP_IMPORTS=megatron (set by the "
+        "CPU launcher for non-Megatron runs) refuses the import, which verl takes as 'engine not available'",
+        "verl imports optional engines on first lookup in its EngineRegistry instead of at package import",
+    ),
+    Patch(
         "vllm_distribution_alias",
         "sys.meta_path",
         "process",
@@ -311,8 +321,25 @@ _PPO = "verl.trainer.ppo.v1.trainer_base.PPOTrainer"
 _VLLM_SERVER = "verl.workers.rollout.vllm_rollout.vllm_async_server.vLLMHttpServer"
 _TRAINER = "verl_stable.integration.trainer.StabilityMonitorMixin"
 _WORKER = "verl_stable.integration.rollout.agent_loop.CompactRoutingAgentLoopWorkerTQ"
+_GUARD_ACTIONS = "verl_stable.integration.guard_actions.GuardActionsMixin"
 
 OVERRIDES: tuple[Override, ...] = (
+    Override(
+        _PPO,
+        "_save_checkpoint",
+        ("self",),
+        _GUARD_ACTIONS,
+        "writes the guard's run state (rollbacks, escalations, action records) beside verl's checkpoint",
+        "a public checkpoint hook for trainer-side state",
+    ),
+    Override(
+        _PPO,
+        "_load_checkpoint",
+        ("self",),
+        _GUARD_ACTIONS,
+        "reads the guard's run state back on resume (max_rollbacks per run, escalations re-applied)",
+        "a public checkpoint hook for trainer-side state",
+    ),
     Override(
         _PPO,
         "_update_actor",

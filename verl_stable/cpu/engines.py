@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from verl_stable.compat import contracts
+from verl_stable.compat import contracts, skip_imports
 from verl_stable.compat.contracts import Contract, ContractError, ContractResult
 from verl_stable.cpu.platform import cpu_selected
 
@@ -130,7 +130,10 @@ def register(force: bool = False) -> list[str]:
 
 
 def megatron_installed() -> bool:
-    """Whether megatron-core is importable here (verl's Megatron engines import it at module level)."""
+    """Whether megatron-core is importable here (verl's Megatron engines import it at module level); False where
+    ``VERL_STABLE_SKIP_IMPORTS`` keeps it out of the process (:mod:`verl_stable.compat.skip_imports`)."""
+    if skip_imports.is_skipped("megatron"):
+        return False
     return importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 
 

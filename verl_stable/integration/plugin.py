@@ -35,6 +35,7 @@ logger = logging.getLogger("verl_stable")
 # until verl imports a heavy module (the trainers, the FSDP engine) defers through
 # ``verl_stable.compat.import_hooks.when_imported`` and returns what it will register on that import.
 REGISTRATION_STEPS: tuple[tuple[str, str], ...] = (
+    ("skip_imports", "verl_stable.compat.skip_imports"),  # first: before any step imports verl's engines
     ("cpu_runtime", "verl_stable.cpu.runtime"),
     ("losses", "verl_stable.integration.losses"),
     ("advantages", "verl_stable.integration.advantages"),

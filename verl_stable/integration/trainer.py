@@ -29,25 +29,25 @@ exit code 1 and TransferQueue, and ``main_ppo`` exits non-zero with the verdict 
 ``PPOTrainer._update_actor`` is tapped for verl's unreduced per-mini-step metrics
 (:func:`~verl_stable.monitor.step.per_update_metrics`).
 
-A ``rollback`` verdict is carried out at the start of the next step (:meth:`StabilityMonitorMixin._stable_rollback`):
-verl's own ``_load_checkpoint`` restores the last good checkpoint's weights, optimizer, LR schedule and data position
-exactly as a resume from it would, the rollout gets the restored weights, and the loop continues at the step after
-the checkpoint, so the redone steps carry the numbers (and sampling seeds) a plain resume gives them. Only the
-``sync`` base mode rolls back (the async modes keep samples of the abandoned weights in flight).
+What each verdict does (stop, roll back, escalate, the records and the run summary) is
+:mod:`verl_stable.integration.guard_actions`, a base of the mixin. A ``rollback`` verdict is carried out at the start
+of the next step: verl's own ``_load_checkpoint`` restores the last good checkpoint's weights, optimizer, LR schedule
+and data position exactly as a resume from it would, the rollout gets the restored weights, and the loop continues at
+the step after the checkpoint, so the redone steps carry the numbers (and sampling seeds) a plain resume gives them.
+Only the ``sync`` base mode rolls back (the async modes keep samples of the abandoned weights in flight).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-import os
 from typing import Any
 
 import numpy as np
 
 from verl_stable.compat.import_hooks import when_imported
-from verl_stable.monitor.checkpoints import DEFAULT_LOAD_CONTENTS, resumable_checkpoint_steps
-from verl_stable.monitor.guard import GuardTripped, Verdict, last_good_checkpoint_step
+from verl_stable.integration.guard_actions import GuardActionsMixin
+from verl_stable.monitor.guard import GuardTripped, Verdict
 from verl_stable.monitor.step import (
     CONFIG_KEY,
     PER_UPDATE_METRICS,
@@ -106,20 +106,15 @@ class _UpdateOutputTap:
         return getattr(self.worker_group, name)
 
 
-class StabilityMonitorMixin:
+class StabilityMonitorMixin(GuardActionsMixin):
     """Adds the monitor and guard to a verl V1 ``PPOTrainer`` subclass (put it first in the bases)."""
 
     _stable_base_mode: str = "sync"
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
-        monitor = self._stable_state()  # parse the ``stable`` block now: a config error fails before any worker starts
-        rolling = [r.name for r in (monitor.guard.rules if monitor.guard else ()) if r.action == "rollback"]
-        if rolling and self._stable_base_mode != "sync":
-            raise ValueError(
-                f"stable.guard rules {rolling} roll back, which trainer_mode stable_{self._stable_base_mode} cannot: "
-                "its rollout keeps generating with the abandoned weights; use stable_sync or another action"
-            )
+        self._stable_state()  # parse the ``stable`` block now: a config error fails before any worker starts
+        self._stable_check_actions()
 
     # patch: base_trainer_mode (verl_stable.compat.catalogue)
     @property
@@ -299,88 +294,6 @@ class StabilityMonitorMixin:
         self._stable_coverage = {}
         self._stable_handle(verdicts, global_steps)
 
-    def _stable_handle(self, verdicts: list[Verdict], step: int) -> None:
-        """Warn, roll back at the next step's start, or end the loop after this step is logged (``fit`` then raises
-        :class:`GuardTripped`)."""
-        stopping = []
-        rollback = None
-        for verdict in verdicts:
-            if verdict.rolls_back:
-                verdict = self._stable_with_checkpoint(verdict, step)
-                reason = None
-                if stopping or rollback is not None:
-                    reason = "another rule already acted on this step"
-                elif verdict.last_good_checkpoint is None:
-                    reason = "no resumable checkpoint before the trip that no rule flagged"
-                elif self.global_steps >= self.total_training_steps:
-                    reason = "the last step: verl's loop ends after it"
-                if reason is not None:
-                    verdict = self._stable_monitor.guard.escalate(verdict, reason)
-                else:
-                    rollback = verdict
-            if verdict.action == "stop_checkpoint":
-                verdict = self._stable_with_checkpoint(verdict, step)
-            if verdict.stops:
-                stopping.append(verdict)
-            logger.warning("verl-stable guard [%s -> %s] %s", verdict.rule, verdict.action, verdict.describe())
-        if rollback is not None and not stopping:  # a stop on the same step wins
-            to_step = int(os.path.basename(rollback.last_good_checkpoint).removeprefix("global_step_"))
-            # verl decides "last step" before calling step(): keep it false for the step that is redone instead
-            self._stable_pending_rollback = (rollback.last_good_checkpoint, to_step, self.total_training_steps)
-            self.total_training_steps += step - to_step
-        if stopping:
-            self._stable_trip = stopping
-            # verl's loop runs while global_steps <= total_training_steps and increments after logging: this
-            # ends it at the loop condition, after this step's metrics are logged, with no further checkpoint.
-            self.total_training_steps = min(self.total_training_steps, self.global_steps)
-
-    def _stable_with_checkpoint(self, verdict: Verdict, step: int) -> Verdict:
-        root = self.config.trainer.default_local_dir
-        # only a folder verl can resume from: rotation leaves older folders without their weights
-        checkpoint = self.config.actor_rollout_ref.actor.get("checkpoint") or {}
-        contents = tuple(checkpoint.get("load_contents") or DEFAULT_LOAD_CONTENTS)
-        resumable = resumable_checkpoint_steps(root, contents=contents, critic=bool(getattr(self, "use_critic", False)))
-        good = last_good_checkpoint_step(resumable, step, self._stable_monitor.guard.flagged_steps)
-        path = None if good is None else os.path.join(root, f"global_step_{good}")
-        return Verdict(verdict.rule, verdict.action, verdict.step, verdict.values, verdict.message, path)
-
-    def _stable_rollback(self, folder: str, to_step: int, total_training_steps: int) -> None:
-        """Go back to the checkpoint ``folder`` (of step ``to_step``) and continue with step ``to_step + 1``.
-
-        verl's ``_load_checkpoint`` does the restoring, as for a resume from that folder: actor (and critic) weights,
-        optimizer and LR scheduler, the dataloader's position. Then the dataloader's iterator is rebuilt from that
-        position, the rollout receives the restored weights (as the sync trainer does after loading at start-up), the
-        resume pointer verl writes (``latest_checkpointed_iteration.txt``) is set back to ``to_step`` so an automatic
-        resume after a crash also starts from the good checkpoint, and the monitor forgets the abandoned steps.
-        """
-        from omegaconf import open_dict
-        from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
-        from verl.utils.skip import SkipManager
-
-        trainer_config = self.config.trainer
-        keys = ("resume_mode", "resume_from_path", "del_local_ckpt_after_load")
-        saved = {key: trainer_config.get(key) for key in keys}
-        with open_dict(trainer_config):
-            # a rollback keeps the checkpoint it loads: a later rollback (max_rollbacks > 1) may need it again
-            trainer_config.update(resume_mode="resume_path", resume_from_path=folder, del_local_ckpt_after_load=False)
-        try:
-            self._load_checkpoint()
-        finally:
-            with open_dict(trainer_config):
-                trainer_config.update(saved)
-        if self.global_steps != to_step:
-            raise RuntimeError(f"rollback to {folder}: verl resumed at step {self.global_steps}, expected {to_step}")
-        self.train_dataloader_it = None
-        self.global_steps = to_step + 1
-        self.total_training_steps = total_training_steps
-        SkipManager.set_step(self.global_steps)
-        self.checkpoint_manager.update_weights(self.global_steps)
-        root = trainer_config.default_local_dir
-        with open(get_checkpoint_tracker_filename(root), "w") as f:
-            f.write(str(to_step))
-        self._stable_monitor.rolled_back(to_step)
-        logger.warning("verl-stable guard: rolled back to %s; continuing at step %d", folder, self.global_steps)
-
     def _build_replay_buffer(self):
         """verl's replay buffer; under ``stable_sync`` its batches come in dispatch order (:meth:`_stable_in_order`)."""
         buffer = super()._build_replay_buffer()
@@ -409,9 +322,11 @@ class StabilityMonitorMixin:
         return batch
 
     def fit(self, agent_loop_manager):
-        """verl's ``fit``; raises :class:`GuardTripped` after the loop when a stopping rule fired."""
+        """verl's ``fit``, then the run summary (:meth:`_stable_write_summary`); raises :class:`GuardTripped` after the
+        loop when a stopping rule fired."""
         result = super().fit(agent_loop_manager)
         self._stable_clear_prompt_rows()
+        self._stable_write_summary()
         trip = getattr(self, "_stable_trip", None)
         if trip:
             raise GuardTripped(trip)

@@ -9,7 +9,10 @@ A :class:`Guard` consumes one flat ``{name: float}`` dict per training step (ver
 * ``stop_checkpoint``: stop and name the last good checkpoint (see :func:`last_good_checkpoint_step`);
 * ``skip_update`` (judged before the actor update): the step's update is not applied;
 * ``rollback``: the run goes back to the last good checkpoint (weights, optimizer, data position) and continues from
-  there, at most ``max_rollbacks`` times per rule; the trainer restores it (:mod:`verl_stable.integration.trainer`).
+  there, at most ``max_rollbacks`` times per rule; the trainer restores it (:mod:`verl_stable.integration.trainer`);
+* ``escalate``: the run moves to a stricter rollout correction (the rule's ``escalate_to``: a lower IS threshold,
+  rejection sampling on, ...) for the rest of the run, once per rule; later firings of that rule only warn. The
+  trainer applies it (:mod:`verl_stable.integration.escalation`).
 
 Default rules (the seed's checklist): token entropy below 0.25 and still falling over a window of steps;
 KL(mu || pi_old) above 0.01; a non-finite loss or gradient norm; and, under routing replay (R2 / R3), a replay
@@ -35,11 +38,11 @@ from typing import Any, Literal
 from verl_stable.metric_names import GUARD, IS_WEIGHTS, ROUTING, TRAIN_INF, TRANSPORT
 from verl_stable.monitor.common import check_bool, check_int, check_real, type_name
 from verl_stable.monitor.metrics import window_slope
-from verl_stable.schema import MAX_WINDOW, ConfigError, GuardOptions, parse
+from verl_stable.schema import ESCALATION_KEYS, MAX_WINDOW, ConfigError, EscalationOptions, GuardOptions, parse
 
-Action = Literal["warn", "stop", "stop_checkpoint", "skip_update", "rollback"]
+Action = Literal["warn", "stop", "stop_checkpoint", "skip_update", "rollback", "escalate"]
 Condition = Literal["above", "below", "below_and_falling", "non_finite"]
-ACTIONS: tuple[str, ...] = ("warn", "stop", "stop_checkpoint", "skip_update", "rollback")
+ACTIONS: tuple[str, ...] = ("warn", "stop", "stop_checkpoint", "skip_update", "rollback", "escalate")
 Phase = Literal["before_update", "after_update"]
 PRE_UPDATE_PREFIXES: tuple[str, ...] = (
     f"{TRAIN_INF}/",
@@ -86,6 +89,9 @@ class Rule:
             ``stop_checkpoint`` (an int >= 1).
         max_rollbacks: ``rollback`` only: rollbacks this rule may ask for in one run before it escalates to
             ``stop_checkpoint`` (an int >= 1): a fault that recurs after every rollback is not transient.
+        escalate_to: ``escalate`` only (and required there): the fields of verl's ``algorithm.rollout_correction``
+            the run moves to, as ``(key, value)`` pairs sorted by key (a mapping is accepted), keys from
+            :data:`~verl_stable.schema.ESCALATION_KEYS`, values typed by :class:`~verl_stable.schema.EscalationOptions`.
     """
 
     name: str
@@ -98,6 +104,7 @@ class Rule:
     optional: bool = False
     max_skips: int = DEFAULT_MAX_SKIPS
     max_rollbacks: int = DEFAULT_MAX_ROLLBACKS
+    escalate_to: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -131,6 +138,10 @@ class Rule:
         object.__setattr__(self, "max_rollbacks", check_int(f"{where}: max_rollbacks", self.max_rollbacks))
         if not 1 <= self.max_rollbacks <= MAX_WINDOW:
             raise ValueError(f"{where}: max_rollbacks must be in [1, {MAX_WINDOW}], got {self.max_rollbacks!r}")
+        object.__setattr__(self, "escalate_to", _escalation(where, self.escalate_to))
+        if (self.action == "escalate") != bool(self.escalate_to):
+            need = "needs a non-empty escalate_to" if self.action == "escalate" else "has escalate_to but"
+            raise ValueError(f"{where}: {need} action {self.action!r} (escalate_to is for action 'escalate' only)")
         if self.action == "skip_update":
             late = [m for m in self.metrics if not m.startswith(PRE_UPDATE_PREFIXES)]
             if late:
@@ -138,6 +149,19 @@ class Rule:
                     f"{where}: skip_update decides before the actor update, so it can watch only metrics measured "
                     f"before it ({', '.join(p + '*' for p in PRE_UPDATE_PREFIXES)}), got {late}"
                 )
+
+
+def _escalation(where: str, value: object) -> tuple[tuple[str, Any], ...]:
+    """``escalate_to`` as sorted ``(key, value)`` pairs, each key and value checked by the schema's model."""
+    if isinstance(value, Mapping):
+        value = tuple(value.items())
+    if not isinstance(value, (tuple, list)) or not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in value):
+        raise TypeError(f"{where}: escalate_to must be a mapping of {ESCALATION_KEYS} to values, got {value!r}")
+    given = dict(value)
+    if len(given) != len(value):
+        raise ValueError(f"{where}: escalate_to names a key twice: {[k for k, _ in value]}")
+    checked = parse(EscalationOptions, given, f"{where}: escalate_to")
+    return tuple(sorted(checked.model_dump(include=set(given)).items()))
 
 
 def _metric_names(where: str, metrics: object) -> tuple[str, ...]:
@@ -193,6 +217,11 @@ class Verdict:
     def rolls_back(self) -> bool:
         """Whether the verdict asks to return to the last good checkpoint and continue."""
         return self.action == "rollback"
+
+    @property
+    def escalates(self) -> bool:
+        """Whether the verdict asks to move the run to its rule's stricter rollout correction."""
+        return self.action == "escalate"
 
     def describe(self) -> str:
         """The message, plus the checkpoint to resume from for ``stop_checkpoint``.
@@ -297,6 +326,7 @@ class Guard:
     _seen: set[str] = field(default_factory=set, repr=False)
     _skips: dict[str, int] = field(default_factory=dict, repr=False)  # rule -> consecutive skip_update firings
     rollbacks: dict[str, int] = field(default_factory=dict)  # rule -> rollbacks it asked for in this run
+    escalations: dict[str, int] = field(default_factory=dict)  # rule -> step at which it escalated the run
 
     def __post_init__(self) -> None:
         self.rules = tuple(self.rules)
@@ -392,6 +422,8 @@ class Guard:
                 verdict = self._count_skip(rule, verdict)
             elif rule.action == "rollback" and verdict is not None:
                 verdict = self._count_rollback(rule, verdict)
+            elif rule.action == "escalate" and verdict is not None:
+                verdict = self._count_escalation(rule, verdict)
             if verdict is not None:
                 verdicts.append(verdict)
         if verdicts:
@@ -421,6 +453,13 @@ class Guard:
         )
         return Verdict(rule.name, "stop_checkpoint", verdict.step, verdict.values, message)
 
+    def _count_escalation(self, rule: Rule, verdict: Verdict) -> Verdict:
+        if rule.name not in self.escalations:
+            self.escalations[rule.name] = verdict.step
+            return verdict
+        message = f"{verdict.message}; the run already escalated at step {self.escalations[rule.name]}"
+        return Verdict(rule.name, "warn", verdict.step, verdict.values, message)
+
     def escalate(self, verdict: Verdict, reason: str) -> Verdict:
         """``verdict`` as ``stop_checkpoint`` because its action cannot be carried out (``reason`` says why); a
         ``rollback`` that did not happen is not counted against its rule."""
@@ -432,7 +471,8 @@ class Guard:
     def rolled_back(self, to_step: int) -> None:
         """Forget what the abandoned steps after ``to_step`` taught the rules: their flags, the slope windows'
         observations and the consecutive-skip counts. The steps are redone from the checkpoint of ``to_step``; a
-        window that still held the fault would fire again on the first healthy step."""
+        window that still held the fault would fire again on the first healthy step. Escalations are kept: the
+        stricter regime holds for the rest of the run, redone steps included."""
         to_step = check_int("to_step", to_step)
         self.flagged_steps = {s for s in self.flagged_steps if s <= to_step}
         for windows in self._history.values():
@@ -463,7 +503,25 @@ class Guard:
         out = {f"{GUARD}{rule.name}": float(rule.name in fired) for rule in self.rules}
         if any(rule.action == "rollback" for rule in self.rules):
             out[f"{GUARD}rollbacks"] = float(self.total_rollbacks)
+        if any(rule.action == "escalate" for rule in self.rules):
+            out[f"{GUARD}escalations"] = float(len(self.escalations))
         return out
+
+    def state_dict(self) -> dict[str, dict[str, int]]:
+        """What the guard must remember across a restart of the run (saved with each checkpoint): the rollbacks each
+        rule asked for (so ``max_rollbacks`` holds per run, not per process) and the escalations (the stricter
+        regime is re-applied on resume)."""
+        return {"rollbacks": dict(self.rollbacks), "escalations": dict(self.escalations)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; a rule this guard does not have is ignored (the config changed)."""
+        names = {rule.name for rule in self.rules}
+        for key in ("rollbacks", "escalations"):
+            entries = state.get(key, {})
+            if not isinstance(entries, Mapping):
+                raise TypeError(f"guard state {key!r} must be a mapping of rule to int, got {type_name(entries)}")
+            kept = {str(k): check_int(f"guard state {key}[{k!r}]", v) for k, v in entries.items() if k in names}
+            setattr(self, key, kept)
 
     def _evaluate(self, rule: Rule, step: int, metrics: Mapping[str, Any]) -> Verdict | None:
         present = [m for m in rule.metrics if m in metrics]

@@ -193,7 +193,9 @@ def option_problems(cfg: Any) -> list[str]:
     ``verl_stable.routing`` is read by the rollout-routing manager, ``rollout.engine_kwargs.hf`` by the ``hf``
     backend (when ``rollout.name`` is ``hf``) and the fault-injection period ``rollout.engine_kwargs.vllm
     .corrupt_routing_every`` by the vLLM servers (when it is ``vllm``), all long after the run has started; the trust region
-    ``actor.clip_ratio_low/high`` by verl-stable's losses and staleness monitor at the first update; Ulysses sequence
+    ``actor.clip_ratio_low/high`` by verl-stable's losses and staleness monitor at the first update; an ``escalate``
+    rule's settings by verl's rollout correction at the step it fires (:func:`verl_stable.integration.escalation.check`);
+    Ulysses sequence
     parallelism on the CPU runtime (``trainer.device=cpu``) without the varlen kernel, which would be silently wrong
     there (see :data:`ULYSSES_KEYS`).
     """
@@ -211,9 +213,19 @@ def option_problems(cfg: Any) -> list[str]:
     except (ValueError, TypeError) as exc:
         problems.append(str(exc))
     try:
-        StableConfig.from_trainer_config(cfg)
+        stable = StableConfig.from_trainer_config(cfg)
     except (ValueError, TypeError) as exc:
         problems.append(str(exc))
+    else:
+        from verl_stable.integration import escalation
+        from verl_stable.monitor.guard import Guard
+
+        for rule in Guard.from_config(stable.guard).rules if stable.guard_enable else ():
+            if rule.action == "escalate":  # verl's own rollout-correction code judges the escalated settings
+                try:
+                    escalation.check(cfg, rule.escalate_to, f"stable.guard.rules.{rule.name}")
+                except ValueError as exc:
+                    problems.append(str(exc))
     for name, cls in (("minirl", MiniRLLossConfig), ("vespo", VespoLossConfig)):
         try:
             section_from_mapping(cls, config_value(cfg, f"actor_rollout_ref.actor.policy_loss.{name}"), name)

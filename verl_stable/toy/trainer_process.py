@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from verl_stable.compat.skip_imports import ENV_SKIP_IMPORTS
 from verl_stable.cpu.polling import ENV_POLL_INTERVAL
 
 # Ray's head serves two Prometheus endpoints on fixed ports (the autoscaler monitor's 44217 and the dashboard's 44227),
@@ -146,6 +147,20 @@ def set_aside(run_dir: str | os.PathLike, names: Sequence[str]) -> Path | None:
     return dest
 
 
+def mentions_megatron(overrides: Sequence[str]) -> bool:
+    """Whether a run may build a Megatron engine: an override, or the config file ``--config-path`` /
+    ``--config-name`` name, mentions Megatron (conservative: any mention counts, so a Megatron run is never refused
+    its engine; the others skip megatron-core's import, :mod:`verl_stable.compat.skip_imports`)."""
+    if any("megatron" in item.lower() for item in overrides):
+        return True
+    options = dict(item.split("=", 1) for item in overrides if item.startswith("--config-") and "=" in item)
+    if "--config-name" in options:
+        name = options["--config-name"]
+        config = Path(options.get("--config-path", ".")) / (name if name.endswith(".yaml") else f"{name}.yaml")
+        return config.is_file() and "megatron" in config.read_text(errors="ignore").lower()
+    return False
+
+
 _RAY_START_FAILURE = "The current node timed out during startup"
 
 RAY_TMPDIR_NAME = "ray_tmp"
@@ -219,7 +234,9 @@ def run_main_ppo(
     ``runtime_env`` (:func:`job_env`): a run joining a cluster (``+ray_kwargs.ray_init.address=...``) then has them on
     every node. The log and metrics of an earlier run in ``workdir`` are first moved aside (:func:`set_aside`; the
     folder is printed on stderr): the log is opened with mode ``"w"`` and verl's file logger opens the metrics with
-    ``"wb"``, so they would be emptied.
+    ``"wb"``, so they would be emptied. A run whose overrides and config never mention Megatron gets
+    ``VERL_STABLE_SKIP_IMPORTS=megatron`` (unless the caller's environment sets the variable, even empty): verl's
+    processes then skip importing megatron-core, which verl would otherwise import in each of them.
     """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -228,6 +245,8 @@ def run_main_ppo(
         print(f"verl-stable: the earlier run's files in {workdir} were moved to {aside}", file=sys.stderr)
     env = cpu_env(workdir / METRICS_NAME, poll_interval_s)
     env["RAY_TMPDIR"] = str(ray_tmpdir(workdir))
+    if ENV_SKIP_IMPORTS not in env and not mentions_megatron(overrides):
+        env[ENV_SKIP_IMPORTS] = "megatron"  # saves every verl process of the run importing megatron-core
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides, *job_env(env, overrides)]
     for attempt in range(ray_start_retries + 1):
         with open(workdir / log_name, "w") as log:
