@@ -386,6 +386,29 @@ def test_disabled_is_verls_engine_and_only_observes_when_routing_is_present():
     assert _metric(metrics, "disagreement") == _metric(metrics, "router_disagreement")
 
 
+def test_disagreement_per_layer_and_per_token_against_a_routing_changed_in_one_layer_by_hand():
+    # The reference routing is the model's own (recorded by an R2 log-prob pass) except in MoE layer 2 (ordinal 1),
+    # where every other token gets random experts: observing it, the engine must find disagreement only there.
+    model = engine_model()
+    recorded, _ = _run(_engine(model, mode="R2"), _batch(micro=len(LENGTHS)))
+    natural = recorded["routed_experts"].values().clone()
+    target = natural.clone()
+    changed = torch.arange(natural.shape[0]) % 2 == 0
+    target[changed, 2] = _random_routing(natural.shape[0], seed=11)[changed, 2]
+    differ = (target[:, 2].sort(-1).values != natural[:, 2].sort(-1).values).any(-1)
+    assert 0 < int(differ.sum()) <= int(changed.sum())
+    share = differ.double().mean().item()
+    _, metrics = _run(_engine(model, mode="disabled"), _batch(routed=target, micro=len(LENGTHS)))
+    assert _metric(metrics, "disagreement/layer_0") == [0.0]
+    assert _metric(metrics, "disagreement/layer_1") == [pytest.approx(share)]
+    assert _metric(metrics, "disagreement/layer_max") == [pytest.approx(share)]
+    assert _metric(metrics, "disagreement") == [pytest.approx(share / 2)]  # over (token, MoE layer) rows
+    assert _metric(metrics, "disagreement/token_any_layer") == [pytest.approx(share)]  # one layer differs per token
+    _, replayed = _run(_engine(model, mode="R3"), _batch(routed=target, micro=len(LENGTHS)))
+    assert _metric(replayed, "disagreement/layer_max") == [0.0]  # R3 used exactly the target
+    assert _metric(replayed, "disagreement/token_any_layer") == [0.0]
+
+
 # ----------------------------------------------------------------------------------------------- errors
 def test_replay_without_routing_names_the_missing_switch():
     engine = _engine(engine_model(), mode="R3")

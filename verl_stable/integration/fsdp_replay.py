@@ -33,6 +33,8 @@ to ``stable/routing/...`` and add one value per update mini-step):
 
 * ``stable/routing/disagreement``: fraction of (token, MoE layer) rows with routing data whose *used* expert set
   differs from the reference routing (rollout in R3 / observe, pi_old in R2). 0 under replay by construction.
+  ``disagreement/layer_{i}`` the same per MoE layer (i = MoE-layer ordinal), ``disagreement/layer_max`` their
+  maximum, ``disagreement/token_any_layer`` the share of tokens with at least one differing layer.
 * ``stable/routing/router_disagreement``: the same for the experts the router *would* have chosen: the numeric
   mismatch replay is hiding (rollout vs training precision in R3, policy drift since pi_old in R2).
 * ``stable/routing/r2_drift`` (R2 update passes only): ``router_disagreement`` under its R2 meaning, the fraction of
@@ -85,6 +87,7 @@ from verl_stable.routing import alignment
 from verl_stable.routing.checks import check_id_range
 from verl_stable.routing.disagreement import expert_sets_differ
 from verl_stable.routing.families import ModelRouting, UnsupportedModelError, bind_model
+from verl_stable.routing.replay_audit import disagreement_metrics
 from verl_stable.routing.replay_pass import (
     METRIC_PREFIX,
     MODES,
@@ -385,8 +388,11 @@ class RouterReplayMixin:
             per_layer = r2_drift_per_layer(natural.to(torch.long), target, has_data)
             metrics.update({f"r2_drift/layer_{i}": value for i, value in enumerate(per_layer)})
         if replayed:
-            metrics["disagreement"] = int(used_differ_rows.sum()) / max(compared, 1)
             metrics["replayed_rows"] = float(compared)
-        else:
-            metrics["disagreement"] = metrics["router_disagreement"]
+        # where routing differs: overall, per MoE layer (so a fault confined to one layer is not averaged away) and
+        # per token (at least one of its layers); under replay the used experts, else the router's own choice
+        disagree = used_differ_rows if replayed else router_differ_rows
+        metrics.update(disagreement_metrics(has_data.sum(dim=0).tolist(), disagree.sum(dim=0).tolist()))
+        tokens = has_data.any(dim=1)
+        metrics["disagreement/token_any_layer"] = int((disagree.any(dim=1) & tokens).sum()) / max(int(tokens.sum()), 1)
         return metrics

@@ -10,7 +10,7 @@ from pathlib import Path
 from verl_stable.lab.summaries import LABELS, metric
 from verl_stable.lab.switches import regime_name
 
-PLOTTED = ("reward", "entropy", "kl_k3", "clip_frac", "routing_disagreement")
+PLOTTED = ("reward", "entropy", "kl_k3", "clip_frac", "routing_disagreement", "routing_layer_max")
 
 
 def _bands(rows: Sequence[Mapping], n: int, name: str) -> dict[str, dict[int, list[float]]]:

@@ -54,6 +54,7 @@ TABLE_FIELDS = (
     "f2",
     "clip_frac",
     "routing_disagreement",
+    "routing_layer_max",
     "router_disagreement",
 )
 DIGITS = {"kl_k3": 0, "kl_k3_median": 0, "f2": 4}  # 0: scientific (KL spans decades)

@@ -36,6 +36,12 @@ METRICS: dict[str, tuple[str, ...]] = {
     "f2": ("stable/train_inf/extreme_frac_tau2",),
     "routing_disagreement": ("actor/stable/routing/disagreement", "stable/routing/disagreement"),
     "router_disagreement": ("actor/stable/routing/router_disagreement", "stable/routing/router_disagreement"),
+    # where it differs: the worst MoE layer, and the share of tokens with any differing layer
+    "routing_layer_max": ("actor/stable/routing/disagreement/layer_max", "stable/routing/disagreement/layer_max"),
+    "routing_token_any_layer": (
+        "actor/stable/routing/disagreement/token_any_layer",
+        "stable/routing/disagreement/token_any_layer",
+    ),
     "clip_frac": ("actor/pg_clipfrac",),
 }
 # Variants that run verl's bypass mode (``rollout_correction.bypass_mode = true``: pi_old := mu, the rollout's
@@ -134,6 +140,8 @@ class RunSummary:
     guard_fired: tuple[str, ...]
     late_reward: float | None = None
     kl_k3_median: float | None = None  # the median step's KL: robust to one spiking step (module docstring)
+    routing_layer_max: float | None = None
+    routing_token_any_layer: float | None = None
 
 
 def summarize_run(rows: Sequence[Mapping]) -> RunSummary:
@@ -158,6 +166,8 @@ def summarize_run(rows: Sequence[Mapping]) -> RunSummary:
         guard_fired=tuple(fired),
         late_reward=_mean(metric(r, "reward") for r in rows[len(rows) // 2 :]),
         kl_k3_median=_median(metric(r, "kl_k3") for r in rows),
+        routing_layer_max=_mean(metric(r, "routing_layer_max") for r in rows),
+        routing_token_any_layer=_mean(metric(r, "routing_token_any_layer") for r in rows),
     )
 
 
@@ -179,6 +189,8 @@ SUMMARY_FIELDS = (
     "kl_k3_median",
     "f2",
     "routing_disagreement",
+    "routing_layer_max",
+    "routing_token_any_layer",
     "router_disagreement",
     "clip_frac",
 )
@@ -191,6 +203,8 @@ LABELS = {
     "kl_k3_median": "median-step KL(mu‖pi_old) k3",
     "f2": "F(2)",
     "routing_disagreement": "routing disagreement",
+    "routing_layer_max": "routing disagreement, worst layer",
+    "routing_token_any_layer": "tokens with a flipped layer",
     "router_disagreement": "router's own disagreement",
     "clip_frac": "clipped fraction",
 }
