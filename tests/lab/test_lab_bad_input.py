@@ -103,6 +103,8 @@ def test_run_sweep_refuses_an_unknown_only_before_preparing(tmp_path, no_work):
         (["--router-noise", "-0.1"], "argument --router-noise: expected a finite number >= 0, got '-0.1'"),
         (["--router-noise", "inf"], "argument --router-noise: expected a finite number >= 0, got 'inf'"),
         (["--engine", "vllm", "--router-noise", "0.3"], "router_noise is an hf-backend option, engine is 'vllm'"),
+        (["--lr", "0"], "argument --lr: expected a finite number > 0, got '0'"),
+        (["--lr", "nan"], "argument --lr: expected a finite number > 0, got 'nan'"),
         (["--variants", "ppo"], "argument --variants: invalid choice: 'ppo'"),
         (["--variants", "dppo", "dppo"], "runs must be distinct"),
         (["--staleness", "3"], "argument --staleness: invalid choice: 3"),

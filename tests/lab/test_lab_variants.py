@@ -263,6 +263,9 @@ def test_precision_and_seed_are_plumbed():
     d = V.as_dict(_ov("minirl", 1, precision="bf16", seed=7))
     assert d["actor_rollout_ref.rollout.engine_kwargs.hf.precision"] == "bf16"
     assert d["data.seed"] == "7" and d["actor_rollout_ref.actor.data_loader_seed"] == "7"
+    assert V.as_dict(_ov("minirl", 1, lr=0.02))[V.LR] == "0.02"
+    assert V.as_dict(_ov("minirl", 1))[V.LR] == "1e-3"  # the CPU runtime's
+    assert [o for o in _ov("minirl", 1, lr=0.02) if o.startswith(V.LR + "=")] == [f"{V.LR}=0.02"]  # replaced, not added
 
 
 def test_bad_inputs_raise():

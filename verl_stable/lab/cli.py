@@ -25,8 +25,8 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from verl_stable.argtypes import non_negative_float, positive_int, positive_seconds, resolve_path
-from verl_stable.lab.presets import MAX_SEED
+from verl_stable.argtypes import non_negative_float, positive_float, positive_int, positive_seconds, resolve_path
+from verl_stable.lab.presets import LAB_PRECISION, MAX_SEED
 from verl_stable.lab.variants import PRECISIONS, STALENESS_CHOICES, VARIANTS
 from verl_stable.toy.launch import ENGINES
 
@@ -50,6 +50,7 @@ def _list(out: Callable[[str], None]) -> None:
     for p in PRESETS.values():
         runs = ", ".join(f"{v}@N{n}" for v, n in p.runs)
         noise = f" router_noise={p.router_noise}" if p.router_noise else ""
+        noise += f" lr={p.lr:g}" if p.lr is not None else ""
         out(
             f"  {p.name:<9} steps={p.steps} seeds={list(p.seeds)} task={p.task} top_k={p.top_k} "
             f"precision={p.precision}{noise}: {runs}"
@@ -74,7 +75,11 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
     parser.add_argument("--steps", type=positive_int, help="override the preset's RL steps per run")
     parser.add_argument("--seeds", type=_seed, nargs="+", help="override the preset's seeds (distinct, in [0, 2**32))")
     parser.add_argument("--engine", choices=ENGINES, help="rollout engine (default hf; vllm: vLLM's CPU build)")
-    parser.add_argument("--precision", choices=PRECISIONS, help="rollout precision (hf default fp8; vllm: bf16, fp32)")
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        help=f"rollout precision (hf: the preset's, {LAB_PRECISION} in the shipped ones; vllm: bf16, fp32)",
+    )
     parser.add_argument(
         "--top-k", type=positive_int, help="experts per token of the tiny MoE (of 16; preset's default)"
     )
@@ -98,6 +103,7 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
         metavar="N",
         help=f"run the preset's variants (or --variants) at these N instead of the preset's; of {STALENESS_CHOICES}",
     )
+    parser.add_argument("--lr", type=positive_float, help="the actor's learning rate (default: the CPU runtime's 1e-3)")
     parser.add_argument("--only", nargs="+", help="run names starting with these (e.g. minirl_r3__N4)")
     parser.add_argument("--timeout", type=positive_seconds, help="per-run wall-clock limit in seconds")
     parser.add_argument(
@@ -114,11 +120,12 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
         "steps": args.steps,
         "seeds": tuple(args.seeds) if args.seeds else None,
         "engine": args.engine,
-        # vLLM's CPU build serves fp32 / bf16: an engine switch without --precision takes bf16 (the hf default is fp8)
+        # vLLM's CPU build serves fp32 / bf16: an engine switch without --precision takes bf16 (hf: the preset's)
         "precision": args.precision or ("bf16" if args.engine == "vllm" else None),
         "top_k": args.top_k,
         # the router perturbation is an hf-backend stand-in; vLLM brings its own mismatch
         "router_noise": 0.0 if args.engine == "vllm" and args.router_noise is None else args.router_noise,
+        "lr": args.lr,
     }
     regrid = bool(args.variants or args.staleness)
     try:
@@ -200,7 +207,7 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
             else f"verl's vLLM rollout (vLLM CPU build), {preset.precision}; training engine fp32"
         ),
         "geometry": f"{preset.mini_batch_prompts} prompts x {preset.group_size} samples per mini-batch, N per step",
-        "steps per run": str(preset.steps),
+        "steps per run": str(preset.steps) + (f", learning rate {preset.lr:g}" if preset.lr is not None else ""),
         "cold start": sweep.coldstart_line(out_dir),
     }
     try:

@@ -58,6 +58,7 @@ class Preset:
         top_k: experts per token of the tiny MoE (its ``num_experts_per_tok``; 16 experts).
         router_noise: sigma of the ``hf`` rollout's inference-only router perturbation (0: off); a labelled stand-in
             for a large MoE's routing mismatch (:func:`verl_stable.backends.hf.precision.router_perturbation`).
+        lr: the actor's learning rate (``actor.optim.lr``); None keeps the CPU runtime's 1e-3.
     """
 
     name: str
@@ -73,6 +74,7 @@ class Preset:
     engine: str = "hf"
     top_k: int = LAB_TOP_K
     router_noise: float = 0.0
+    lr: float | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 1 or not self.seeds or not self.runs:
@@ -98,6 +100,8 @@ class Preset:
             raise ValueError(
                 f"preset {self.name!r}: router_noise must be a finite number >= 0, got {self.router_noise}"
             )
+        if self.lr is not None and not (isinstance(self.lr, float) and 0 < self.lr < float("inf")):
+            raise ValueError(f"preset {self.name!r}: lr must be a finite float > 0, got {self.lr!r}")
         if self.router_noise and self.engine != "hf":
             raise ValueError(f"preset {self.name!r}: router_noise is an hf-backend option, engine is {self.engine!r}")
         from verl_stable.toy import launch

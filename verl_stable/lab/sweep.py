@@ -405,6 +405,7 @@ def run_sweep(
             precision=preset.precision,
             engine=preset.engine,
             router_noise=preset.router_noise,
+            lr=preset.lr,
             seed=spec.seed,
             max_response_length=preset.max_response_length,
             workdir=run_dir,

@@ -50,6 +50,7 @@ from verl_stable.toy import launch
 
 ROUTER_REPLAY = "actor_rollout_ref.actor.fsdp_config.router_replay.mode"
 ROLLOUT_ROUTING = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
+LR = "actor_rollout_ref.actor.optim.lr"
 ROLLOUT_IS = "algorithm.rollout_correction.rollout_is"
 ALLOW_MISSING_IS = "actor_rollout_ref.actor.policy_loss.minirl.allow_missing_rollout_is_weights"
 LOSS_MODE = "actor_rollout_ref.actor.policy_loss.loss_mode"
@@ -266,6 +267,7 @@ def run_overrides(
     workdir: str | Path | None = None,
     engine: str = "hf",
     router_noise: float = 0.0,
+    lr: float | None = None,
 ) -> list[str]:
     """The full ``main_ppo`` argument list of one lab run: recipe, CPU runtime, geometry, common and variant switches.
 
@@ -273,7 +275,7 @@ def run_overrides(
     definition of N). The rollout runs ``engine`` at ``precision``: the ``hf`` backend with fp8 weights by default (the
     "inference engine"), or verl's own vLLM rollout on vLLM's CPU build (``engine="vllm"``, fp32 or bf16); the actor
     trains in fp32. ``router_noise`` > 0 perturbs the ``hf`` rollout's routers (inference only; a labelled stand-in for
-    a large MoE's routing mismatch).
+    a large MoE's routing mismatch). ``lr`` replaces the actor's learning rate (None: the CPU runtime's).
 
     Raises:
         ValueError: Unknown variant, N not in {1, 2, 4, 8}, an unknown precision, or one the engine does not offer.
@@ -308,6 +310,8 @@ def run_overrides(
         **COMMON_SWITCHES,
         **dict(variant.switches),
     }
+    if lr is not None:
+        lab[LR] = float(lr)
     if workdir is not None:
         lab["trainer.default_local_dir"] = str(Path(workdir) / "checkpoints")
     kept = [item for item in base if override_key(item) not in lab and override_key(item) != override_key(PRECISION)]
