@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from verl_stable.argtypes import non_negative_float, positive_float, positive_int, positive_seconds, resolve_path
+from verl_stable.lab import timing
 from verl_stable.lab.presets import LAB_PRECISION, MAX_SEED
 from verl_stable.lab.variants import PRECISIONS, STALENESS_CHOICES, VARIANTS
 from verl_stable.toy.launch import ENGINES
@@ -165,6 +166,12 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
             print(f"no metrics to report: {out_dir / 'metrics.jsonl'} is missing or empty", file=sys.stderr)
             return 1
     else:
+        jobs = args.jobs or sweep.default_jobs()
+        estimate = timing.estimate_seconds(len(specs), preset.steps, [s.staleness for s in specs], jobs)
+        out(
+            f"{len(specs)} run(s) of {preset.steps} steps, {jobs} at a time: about {estimate / 60:.0f} min on 2 cores "
+            "(runs already complete in --out are skipped; the report gives the measured time)"
+        )
         outcomes = sweep.run_sweep(out_dir, preset, timeout_s=args.timeout, only=args.only, jobs=args.jobs)
         for o in outcomes:
             if o.retried:

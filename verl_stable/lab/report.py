@@ -61,6 +61,7 @@ from verl_stable.lab.switches import (
     regime_name,
     switch_results,
 )
+from verl_stable.lab.timing import timing_lines
 
 __all__ = [  # the names callers use from here (lab/cli.py, lab/sweep.py, lab/results.py, tests)
     "BASELINES",
@@ -139,7 +140,7 @@ def render_markdown(
         lines += ["## Against verl's own answers: is MiniRL + R3 ahead?", ""]
         lines += [answer_table(against, baselines=True), "", BASELINE_RULE, ""]
     if runs:
-        lines += ["## Runs", ""] + [f"- {s}" for s in runs_section(runs)] + [""]
+        lines += ["## Runs", ""] + [f"- {s}" for s in runs_section(runs) + timing_lines(runs, rows)] + [""]
     if header:
         lines += ["## Setup", ""] + [f"- {k}: {v}" for k, v in header.items()] + [""]
     lines += ["## Results per variant and N (mean [95 % interval] over seeds)", "", table(cells), ""]

@@ -1,0 +1,89 @@
+"""Where a sweep's time goes (start-up against training steps) and what a sweep will take, estimated before it starts.
+
+A run's wall time is the sweep's record of it (``outcome.json``: ``started``, ``finished``); its step times are verl's
+own ``timing_s/step`` in the run's rows. Everything else is start-up and shutdown: Ray, verl's processes (each imports
+torch, tensordict and verl), the engines. Step 1 also pays for processes verl starts lazily (the agent-loop and
+reward-loop workers) and first calls, so it is shown apart.
+
+:func:`estimate_seconds` is printed before a sweep starts: runs go ``jobs`` at a time, each taking a start-up plus
+``steps`` steps whose time grows with N (a step samples and trains N mini-batches). Its constants were measured on the
+development machine (2 cores, two runs at a time, ``docs/lab.md`` "Where the time goes"); a sweep's own report then
+gives the measured split.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+
+STARTUP_S = 110.0
+"""Per run, two runs at a time on 2 cores: wall time not spent in verl's steps (start-up, step 1's extra, shutdown)."""
+STEP_S_PER_MINI_BATCH = 2.5
+"""Per step and mini-batch of the lab's geometry (4 prompts x 4 samples), two runs at a time on 2 cores."""
+
+
+def estimate_seconds(num_runs: int, steps: int, staleness: Sequence[int], jobs: int) -> float:
+    """Wall seconds a sweep of ``num_runs`` runs (their N in ``staleness``, one per run) will take at ``jobs`` at once.
+
+    Runs start in order, ``jobs`` at a time; each takes :data:`STARTUP_S` plus ``steps`` x N x
+    :data:`STEP_S_PER_MINI_BATCH`. The estimate is the longest of the ``jobs`` queues.
+    """
+    if num_runs != len(staleness):
+        raise ValueError(f"{num_runs} runs but {len(staleness)} staleness values")
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    queues = [0.0] * jobs
+    for n in staleness:
+        i = queues.index(min(queues))
+        queues[i] += STARTUP_S + steps * n * STEP_S_PER_MINI_BATCH
+    return max(queues) if queues else 0.0
+
+
+def run_split(record: Mapping, rows: Sequence[Mapping]) -> dict[str, float] | None:
+    """One run's wall time split: ``wall``, ``steps`` (sum of ``timing_s/step``), ``first_step``, ``startup``
+    (wall - steps) and ``startup_share``; None when the record has no times or the rows no step time."""
+    started, finished = record.get("started"), record.get("finished")
+    if not all(isinstance(t, (int, float)) and math.isfinite(t) for t in (started, finished)) or finished <= started:
+        return None
+    by_step = {}
+    for row in rows:
+        t = row.get("timing_s/step")
+        if isinstance(t, (int, float)) and math.isfinite(t) and t >= 0:
+            by_step[int(row["step"])] = float(t)  # a step logged twice (a retried attempt): its last time
+    if not by_step:
+        return None
+    wall = float(finished - started)
+    steps = sum(by_step.values())
+    startup = max(wall - steps, 0.0)
+    return {
+        "wall": wall,
+        "steps": steps,
+        "first_step": by_step[min(by_step)],
+        "startup": startup,
+        "startup_share": startup / wall,
+    }
+
+
+def timing_lines(records: Sequence[Mapping], rows: Sequence[Mapping]) -> list[str]:
+    """The report's "where the time went": medians over the runs with both a record and step times."""
+    by_run: dict[tuple[str, int, int], list[Mapping]] = {}
+    for row in rows:
+        by_run.setdefault((row["variant"], int(row["staleness"]), int(row["seed"])), []).append(row)
+    splits = []
+    for record in records:
+        key = (record.get("variant"), record.get("staleness"), record.get("seed"))
+        split = run_split(record, by_run.get(key, []))
+        if split is not None:
+            splits.append(split)
+    if not splits:
+        return []
+
+    def med(name: str) -> float:
+        return statistics.median(s[name] for s in splits)
+
+    return [
+        f"{len(splits)} run(s) timed: median wall {med('wall'):.0f} s, of which verl's steps {med('steps'):.0f} s "
+        f"(step 1 alone {med('first_step'):.0f} s: it starts verl's lazily created workers) and start-up and shutdown "
+        f"{med('startup'):.0f} s = {100 * med('startup_share'):.0f} % of the run (median of the runs' shares).",
+    ]
