@@ -18,6 +18,7 @@ from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 from verl.workers.utils.padding import response_to_nested
 
 from verl_stable.integration import trainer as T
+from verl_stable.integration.guard_actions import GuardActionsMixin
 from verl_stable.monitor import checkpoints as CK
 from verl_stable.monitor.guard import GuardTripped
 
@@ -271,7 +272,7 @@ def test_registration_waits_for_verls_trainer_package_in_a_fresh_process():
         "assert 'verl.trainer.ppo.v1' not in sys.modules and 'verl.workers.engine' not in sys.modules\n"
         "from verl.trainer.ppo.v1 import get_trainer_cls\n"
         "cls = get_trainer_cls('stable_colocate_async')\n"
-        "print(cls.__name__, cls.__mro__[2].__name__, T.register())\n"
+        "print(cls.__name__, cls.__mro__[3].__name__, T.register())\n"
         "from verl_stable.compat import import_hooks\n"
         "assert not import_hooks.pending_hooks() and not import_hooks.finder_installed()\n"
     )
@@ -371,9 +372,11 @@ def test_every_registered_trainer_has_the_hooks_over_verls_trainer_of_its_mode(r
     base_mode = mode.removeprefix("stable_")
     module_name, class_name = T.BASE_TRAINERS[base_mode]
     base = getattr(__import__(module_name, fromlist=[class_name]), class_name)
-    assert cls.__mro__[1] is T.StabilityMonitorMixin and cls.__mro__[2] is base
+    assert cls.__mro__[1:4] == (T.StabilityMonitorMixin, GuardActionsMixin, base)
     for hook in ("_compute_metrics", "_update_actor", "step", "fit"):
         assert getattr(cls, hook) is getattr(T.StabilityMonitorMixin, hook), hook
+    for hook in ("_save_checkpoint", "_load_checkpoint"):  # the guard's run state beside verl's checkpoints
+        assert getattr(cls, hook) is getattr(GuardActionsMixin, hook), hook
         assert hasattr(base, hook), f"verl's {class_name} has no {hook}: the hook would never run"
     assert cls._stable_base_mode == base_mode
 
