@@ -1,6 +1,8 @@
-"""End to end on CPU: verl's ``main_ppo`` with the **Megatron** actor runs the shipped recipe
-``recipes/megatron/minirl_n4_r3.yaml`` (MiniRL at N = 4, R3 through verl's own Megatron router replay) with the
-project's ``hf`` rollout, exactly as ``verl-stable recipe run-cpu megatron/minirl_n4_r3`` does.
+"""End to end on CPU: verl's ``main_ppo`` with the **Megatron** actor runs the shipped recipes
+``recipes/megatron/minirl_n4_r3.yaml`` (MiniRL at N = 4, R3 through verl's own Megatron router replay) and
+``recipes/megatron/minirl_n2_r2.yaml`` (N = 2, R2: verl records pi_old's routing in the log-prob pass and replays it
+in both update mini-steps) with the project's ``hf`` rollout, exactly as ``verl-stable recipe run-cpu megatron/<recipe>``
+does. The R2 run (2 steps) is asserted on by the last test.
 
 One run (2 steps, 4 update mini-steps each) shared by every assertion: the run completes; verl's Megatron engine
 replays on the model's MoE layers; the rollout's routing reaches the actor and is replayed exactly (the project's replay
@@ -61,3 +63,29 @@ def test_the_rollouts_experts_travel_compact_and_are_replayed_exactly(megatron_r
         # never trained), so the guard's replay_coverage rule is quiet
         assert row["stable/routing/coverage/response_replayed"] == 1.0
         assert row["stable/guard/replay_coverage"] == 0.0
+
+
+@pytest.fixture(scope="module")
+def megatron_r2_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("megatron_r2")
+    rc = launch.run_recipe("minirl_n2_r2", workdir, steps=STEPS, backend="megatron")
+    run = workdir / "run"
+    log = (run / "main_ppo.log").read_text()
+    rows = launch.read_metrics(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
+    return rc, log, rows
+
+
+def test_the_r2_recipe_replays_pi_olds_recorded_routing_in_both_mini_steps(megatron_r2_run):
+    rc, log, rows = megatron_r2_run
+    assert rc == 0, log[-4000:]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for row in rows:
+        # N = 2: two update mini-steps, each replaying what verl's log-prob pass recorded (the targets verl set)
+        assert {f"stable/staleness/update_{i}/kl_k3" for i in range(2)} <= set(row), sorted(row)
+        assert "stable/staleness/update_2/kl_k3" not in row
+        assert row["stable/routing/disagreement"] == 0.0, json.dumps(row)[:3000]
+        assert row["stable/routing/replayed_rows"] > 0
+        assert row["stable/routing/coverage/response_replayed"] == 1.0
+        # pi_theta == pi_old at the first mini-step (same weights, same routing), then the policy moves
+        assert row["stable/staleness/update_0/ratio_dev_max"] < 1e-3
+        assert row["actor/grad_norm"] > 0

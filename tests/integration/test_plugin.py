@@ -45,7 +45,9 @@ def test_skip_steps_env_leaves_a_step_out_of_every_verl_process():
 def test_skip_steps_env_with_a_typo_fails_doctor(monkeypatch):
     monkeypatch.setenv(plugin.ENV_SKIP_STEPS, "fsdp_routerreplay")
     monkeypatch.setattr(plugin, "STATUS", {})
-    with pytest.raises(ValueError, match="unknown steps \\['fsdp_routerreplay'\\]; known steps: skip_imports, cpu_runtime"):
+    with pytest.raises(
+        ValueError, match="unknown steps \\['fsdp_routerreplay'\\]; known steps: skip_imports, cpu_runtime"
+    ):
         plugin.skipped_steps()
     lines: list[str] = []
     assert cli.doctor(out=lines.append) == 1

@@ -13,13 +13,14 @@ def _rows(variant, n, seed, times):
 
 
 def test_the_estimate_fills_the_job_queues_in_order():
-    per_n4 = T.STARTUP_S + 8 * 4 * T.STEP_S_PER_MINI_BATCH  # 110 + 80
+    per_n4 = T.STARTUP_S + 8 * 4 * T.STEP_S_PER_MINI_BATCH
     assert T.estimate_seconds(6, 8, [4] * 6, jobs=2) == pytest.approx(3 * per_n4)
     assert T.estimate_seconds(3, 8, [4] * 3, jobs=2) == pytest.approx(2 * per_n4)  # the longer queue
     per_n8 = T.STARTUP_S + 8 * 8 * T.STEP_S_PER_MINI_BATCH
-    # queue 1: N=8 (270 s); queue 2: N=4 (190 s), then N=1, since it is the shorter queue (190 + 130 s)
-    assert T.estimate_seconds(3, 8, [8, 4, 1], jobs=2) == pytest.approx(max(per_n8, per_n4 + T.STARTUP_S + 8 * 2.5))
-    assert max(per_n8, per_n4 + T.STARTUP_S + 8 * 2.5) == 320.0
+    per_n1 = T.STARTUP_S + 8 * 1 * T.STEP_S_PER_MINI_BATCH
+    # queue 1: N=8; queue 2: N=4, then N=1 (it is the shorter queue): the sweep ends with the longer of the two
+    assert per_n4 < per_n8 < per_n4 + per_n1
+    assert T.estimate_seconds(3, 8, [8, 4, 1], jobs=2) == pytest.approx(per_n4 + per_n1)
     with pytest.raises(ValueError, match="2 runs but 1 staleness"):
         T.estimate_seconds(2, 8, [4], jobs=2)
     with pytest.raises(ValueError, match="jobs must be >= 1"):

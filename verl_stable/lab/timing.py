@@ -17,10 +17,12 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 
-STARTUP_S = 110.0
-"""Per run, two runs at a time on 2 cores: wall time not spent in verl's steps (start-up, step 1's extra, shutdown)."""
-STEP_S_PER_MINI_BATCH = 2.5
-"""Per step and mini-batch of the lab's geometry (4 prompts x 4 samples), two runs at a time on 2 cores."""
+STARTUP_S = 105.0
+"""Per run, two runs at a time on 2 cores: wall time not spent in verl's later steps (start-up, step 1's extra
+~22 s, shutdown). Measured (session 14): 112 s at N = 4 (the default preset), 96 s at N = 8 (16-step runs)."""
+STEP_S_PER_MINI_BATCH = 1.1
+"""Per step and mini-batch of the lab's geometry (4 prompts x 4 samples), two runs at a time on 2 cores: steps 2-8
+took 4.7 s at N = 4, steps 2-16 8.1 s at N = 8 (session 14)."""
 
 
 def estimate_seconds(num_runs: int, steps: int, staleness: Sequence[int], jobs: int) -> float:
