@@ -23,14 +23,19 @@ STEPS = 2
 STALENESS = 4
 
 
-@pytest.fixture(scope="module")
-def megatron_run(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("megatron_r3")
-    rc = launch.run_recipe("minirl_n4_r3", workdir, steps=STEPS, backend="megatron")
+def _run(tmp_path_factory, recipe: str):
+    """``verl-stable recipe run-cpu megatron/<recipe>``: exit code, log, per-step metrics."""
+    workdir = tmp_path_factory.mktemp(recipe)
+    rc = launch.run_recipe(recipe, workdir, steps=STEPS, backend="megatron")
     run = workdir / "run"
     log = (run / "main_ppo.log").read_text()
     rows = launch.read_metrics(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
     return rc, log, rows
+
+
+@pytest.fixture(scope="module")
+def megatron_run(tmp_path_factory):
+    return _run(tmp_path_factory, "minirl_n4_r3")
 
 
 def test_the_megatron_recipe_runs_through_verls_trainer(megatron_run):
@@ -67,12 +72,7 @@ def test_the_rollouts_experts_travel_compact_and_are_replayed_exactly(megatron_r
 
 @pytest.fixture(scope="module")
 def megatron_r2_run(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("megatron_r2")
-    rc = launch.run_recipe("minirl_n2_r2", workdir, steps=STEPS, backend="megatron")
-    run = workdir / "run"
-    log = (run / "main_ppo.log").read_text()
-    rows = launch.read_metrics(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
-    return rc, log, rows
+    return _run(tmp_path_factory, "minirl_n2_r2")
 
 
 def test_the_r2_recipe_replays_pi_olds_recorded_routing_in_both_mini_steps(megatron_r2_run):
