@@ -90,11 +90,12 @@ def install(groups: Sequence[str]) -> list[str]:
         raise ValueError(f"unknown skip groups {unknown}; known: {', '.join(GROUPS)}")
     if not groups:
         return []
-    loaded = sorted(m for m in sys.modules if m.partition(".")[0] in {p for g in groups for p in GROUPS[g]})
+    finder = _SkipFinder(groups)
+    loaded = sorted(m for m in sys.modules if m.partition(".")[0] in finder.packages)
     if loaded:
         raise ValueError(f"cannot skip {list(groups)}: already imported in this process ({', '.join(loaded[:3])})")
     # patch: skip_imports (verl_stable.compat.catalogue)
-    sys.meta_path.insert(0, _SkipFinder(groups))
+    sys.meta_path.insert(0, finder)
     return [f"skip-import:{p}" for g in groups for p in GROUPS[g]]
 
 

@@ -17,6 +17,8 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 
+from verl_stable.lab.summaries import group_runs
+
 STARTUP_S = 105.0
 """Per run, two runs at a time on 2 cores: wall time not spent in verl's later steps (start-up, step 1's extra
 ~22 s, shutdown). Measured (session 14): 112 s at N = 4 (the default preset), 96 s at N = 8 (16-step runs)."""
@@ -69,9 +71,7 @@ def run_split(record: Mapping, rows: Sequence[Mapping]) -> dict[str, float] | No
 
 def timing_lines(records: Sequence[Mapping], rows: Sequence[Mapping]) -> list[str]:
     """The report's "where the time went": medians over the runs with both a record and step times."""
-    by_run: dict[tuple[str, int, int], list[Mapping]] = {}
-    for row in rows:
-        by_run.setdefault((row["variant"], int(row["staleness"]), int(row["seed"])), []).append(row)
+    by_run = group_runs(rows)
     splits = []
     for record in records:
         key = (record.get("variant"), record.get("staleness"), record.get("seed"))
