@@ -1,17 +1,20 @@
-"""Replay coverage end to end: an R3 run whose rollout drops the routing of some samples shows it, and the guard fires.
+"""The rollout's routing through verl's main_ppo to R3 replay, with routing dropped for some samples: one shared run.
 
-One verl ``main_ppo`` run on the CPU runtime, shared by the assertions: ``hf`` rollout (bf16) with fault injection
-(every 3rd request's routing malformed), the compact transport with ``on_invalid=skip_sample`` (those samples train
-on the model's own routing), R3 replay, two update mini-steps of two micro-batches each per step. Every response is
+One verl ``main_ppo`` run on the CPU runtime, shared by the assertions: ``hf`` rollout (bf16) -> the compact manager
+-> TransferQueue -> FSDP R3 replay, with fault injection (every 3rd request's routing malformed) and
+``on_invalid=skip_sample`` (those samples train on the model's own routing), two update mini-steps of two micro-batches
+each per step, every group's prompt rows put once (side entries re-attached on the actors). Every response is
 ``max_response_length`` tokens long (``ignore_eos``), so each sample needs the same number of response rows and the
-expected coverage is exactly the share of samples whose routing arrived. The fault-free twin is the R3 run of
-``test_rollout_routing.py``, which asserts coverage 1.0.
+expected coverage is exactly the share of samples whose routing arrived. Where routing arrived, every update replays
+exactly the rollout's experts. Fault-free runs assert coverage 1.0 (``test_two_nodes_e2e.py``,
+``test_data_parallel_e2e.py``) and the guard's rule silent (``test_megatron_e2e.py``).
 """
 
 from __future__ import annotations
 
 import pytest
 
+from verl_stable.integration import fsdp_engine as fe
 from verl_stable.monitor.routing_metrics import COVERAGE
 from verl_stable.transport.boundary import TRANSPORT_METRIC_PREFIX
 from verl_stable.transport.options import MANAGER_FQN
@@ -95,3 +98,16 @@ def test_the_guard_rule_fires_and_warns(run):
     for row in rows:
         assert row["stable/guard/replay_coverage"] == 1.0
     assert "verl-stable guard [replay_coverage -> warn]" in log
+
+
+@pytest.mark.e2e
+def test_the_compact_form_reaches_the_actors_and_is_replayed(run):
+    rows, _, _ = run
+    for row in rows:  # the stable trainer logs verl's actor/stable/* as stable/*
+        assert row[f"{fe.METRIC_PREFIX}disagreement"] == 0.0  # every replayed row used the rollout's experts
+        assert row[f"{fe.METRIC_PREFIX}replayed_rows"] > 0
+        assert row[f"{fe.METRIC_PREFIX}router_disagreement"] > 0.0  # what bf16 rollout vs fp32 training would change
+        transport = {k.removeprefix(TRANSPORT_METRIC_PREFIX): v for k, v in row.items() if "transport/" in k}
+        assert transport["samples"] == SAMPLES_PER_STEP and transport["bytes"] < transport["verl_bytes"]
+        assert transport["prompt_rows_deduplicated"] > 0  # prompt rows put once per group, not once per sample
+        assert 0 < transport["prompt_groups_shared"] <= SAMPLES_PER_STEP // 4  # at most one side entry per prompt
