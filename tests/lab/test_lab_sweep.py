@@ -23,6 +23,12 @@ def test_presets_cover_the_issue():
     assert {(v, 4) for v in baselines} <= set(evidence.runs)
     assert set(sweep.PRESETS["baselines"].runs) == {(v, n) for v in baselines | {"minirl_r3"} for n in (1, 4, 8)}
     assert len(sweep.PRESETS["baselines"].seeds) >= 3
+    stability = sweep.PRESETS["stability"]  # part 3: every switch and verl's answers where no clipping fails
+    assert set(stability.runs) == {(v, 8) for v in ("minirl_noclip", "minirl", "reinforce_no_is", "minirl_r2")} | {
+        (v, 8) for v in ("minirl_r3", "vespo") + tuple(baselines)
+    }
+    assert stability.steps >= 24 and len(stability.seeds) >= 3
+    assert not {0, 1, 2, 3, 4} & set(stability.seeds)  # seeds other than those the regime was found and confirmed on
     for preset in sweep.PRESETS.values():  # one measured setting for every preset (docs/lab.md)
         assert (preset.precision, preset.top_k, preset.router_noise) == ("int4", 2, 0.0)
     full = sweep.PRESETS["full"]

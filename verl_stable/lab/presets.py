@@ -184,6 +184,28 @@ PRESETS: dict[str, Preset] = {
             steps=8,
             seeds=(0, 1, 2),
         ),
+        # the regime where training fails without the practices (docs/lab.md, "The regime search" part 3; <= 2 h on
+        # 2 cores): 24 steps at N = 8, where MiniRL without clipping lost the task on the search's seeds 0-2; every
+        # switch and verl's answers beside it, on seeds the search did not use
+        Preset(
+            "stability",
+            runs=tuple(
+                (v, 8)
+                for v in (
+                    "minirl_noclip",
+                    "minirl",
+                    "reinforce_no_is",
+                    "minirl_r2",
+                    "minirl_r3",
+                    "vespo",
+                    "verl_tis",
+                    "dppo",
+                    "vanilla_grpo",
+                )
+            ),
+            steps=24,
+            seeds=(5, 6, 7),
+        ),
         # every variant at every N, 3 seeds, longer runs and bigger batches: hours on 2 cores
         Preset(
             "full",
