@@ -70,6 +70,28 @@ def test_run_summary_matches_hand_computation():
     assert r3.routing_disagreement == 0.0 and r3.router_disagreement == pytest.approx(0.12)
 
 
+def test_a_rolled_back_run_is_summarised_on_its_trajectory_and_keeps_every_row():
+    from verl_stable.lab.presets import RunSpec
+    from verl_stable.lab.results import tag_rows
+
+    # as verl logs a run whose guard fired at step 3 and rolled back to checkpoint 1: steps 2-3 logged twice
+    logged = [{"step": s, "critic/score/mean": r} for s, r in [(1, 0.5), (2, 0.4), (3, 0.0), (2, 0.6), (3, 0.7)]]
+    logged[2].update({"stable/guard/entropy_blowup": 1.0, "stable/guard/rollbacks": 1.0})
+    logged[3]["stable/guard/rollbacks"] = logged[4]["stable/guard/rollbacks"] = 1.0
+    rows = tag_rows(logged, RunSpec("minirl_noclip", 8, 5))
+    assert [r.get("superseded", False) for r in rows] == [False, True, True, False, False]
+    assert [r["critic/score/mean"] for r in rows] == [0.5, 0.4, 0.0, 0.6, 0.7]  # nothing measured is dropped
+    R.check_rows(rows)  # a redone step is not a duplicate
+    s = R.summarize_run(rows)
+    assert (s.steps, s.steps_redone, s.final_reward, s.best_reward) == (3, 2, 0.7, 0.7)
+    assert s.late_reward == pytest.approx(0.65)  # steps 2-3 of the trajectory: the redone rows
+    assert s.guard_fired == ("entropy_blowup",)  # read from the superseded firing row; the counter is not a rule
+    with pytest.raises(ValueError, match="duplicate step 2"):
+        R.check_rows([{**r, "superseded": False} for r in rows])
+    with pytest.raises(ValueError, match="'superseded' must be a bool, got the string 'yes'"):
+        R.check_rows([{**rows[1], "superseded": "yes"}])
+
+
 def test_seeds_are_kept_per_cell_with_an_interval():
     rows = [_row("vespo", 8, 1, 0.2, seed=0), _row("vespo", 8, 2, 0.6, seed=0), _row("vespo", 8, 1, 0.4, seed=1)]
     (cell,) = R.summarize(rows)

@@ -229,3 +229,55 @@ def test_cli_names_the_retry_and_the_failure(lab, monkeypatch, capsys):
     assert "run minirl__N4__s1 failed (exit 1, 0 steps, 1 attempt(s)): ValueError: loss is nan at step 1" in err
     text = (out / "report.md").read_text()
     assert "1 retried once after a start-up failure, 1 failed" in text
+
+
+def test_a_run_the_guard_stopped_is_finished_not_failed_and_not_run_again(lab, monkeypatch, capsys):
+    """Through the real run_one (verl's launcher replaced): a guarded run that rolled back once and was then stopped
+    by its guard exits 1 and writes the run summary; the sweep counts it finished, keeps every row, does not start it
+    again, and the CLI exits 0."""
+    from types import SimpleNamespace
+
+    from verl_stable.monitor.run_summary import SUMMARY_FILE
+    from verl_stable.toy import launch
+
+    out, preset = lab
+    stopped_run = "minirl_r3__N4__s1"
+    reason = "[entropy_blowup] actor/entropy = 6.8 above 4 (no rollback left)"
+    calls: list[str] = []
+
+    def fake_main_ppo(overrides, run_dir, timeout_s=None):
+        calls.append(run_dir.name)
+        run_dir = Path(run_dir)
+        if run_dir.name != stopped_run:
+            _write_rows(run_dir, preset.steps)
+            return SimpleNamespace(returncode=0)
+        # steps 1, 2; the guard fires at 2 and rolls back to checkpoint 1; step 2 again, it fires again and stops
+        with open(run_dir / "metrics.jsonl", "w") as f:
+            for step, reward in [(1, 0.5), (2, 0.0), (2, 0.1)]:
+                f.write(json.dumps({"step": step, "data": {"critic/score/mean": reward}}) + "\n")
+        (run_dir / "checkpoints").mkdir()
+        summary = {"last_step": 2, "ended": "stopped by the guard", "stop_reason": reason, "actions": {}, "records": []}
+        (run_dir / "checkpoints" / SUMMARY_FILE).write_text(json.dumps(summary))
+        return SimpleNamespace(returncode=1)
+
+    monkeypatch.setattr(launch, "run_main_ppo", fake_main_ppo)
+    monkeypatch.setitem(sweep.PRESETS, "t", preset)
+    monkeypatch.setattr(report, "plot_regimes", lambda rows, d: [])
+    assert cli.main(["--preset", "t", "--out", str(out)], out=lambda _: None) == 0
+    assert f"run {stopped_run}: stopped by the guard ({reason})" in capsys.readouterr().err
+    record = json.loads((out / "runs" / stopped_run / "outcome.json").read_text())
+    assert (record["returncode"], record["steps"], record["error"], record["guard_stopped"]) == (1, 2, None, reason)
+    rows = [r for r in sweep.load_rows(out) if r["variant"] == "minirl_r3" and r["seed"] == 1]
+    assert [(r["step"], r.get("superseded", False)) for r in rows] == [(1, False), (2, True), (2, False)]
+    text = (out / "report.md").read_text()
+    assert "6 run(s) recorded: 6 finished (1 of them stopped early by the acting guard)" in text
+    assert f"Stopped by the guard: `{stopped_run}` after 2 of 2 steps: {reason}." in text
+    # a second sweep finds every run complete, the stopped one too: nothing is started again
+    assert cli.main(["--preset", "t", "--out", str(out)], out=lambda _: None) == 0
+    assert len(calls) == 6
+    # the same run killed before its summary was written is incomplete and starts over, its files set aside
+    (out / "runs" / stopped_run / "done.json").unlink()
+    assert cli.main(["--preset", "t", "--out", str(out)], out=lambda _: None) == 0
+    assert calls[6:] == [stopped_run]
+    (aside,) = (out / "runs" / stopped_run / "superseded").iterdir()
+    assert (aside / "checkpoints" / SUMMARY_FILE).exists() and (aside / "metrics.jsonl").exists()

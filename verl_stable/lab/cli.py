@@ -180,7 +180,9 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
                     f"{'retried, failed again' if o.failed else 'retried, finished'}",
                     file=sys.stderr,
                 )
-            if o.returncode != 0 or len(o.rows) < preset.steps:
+            if o.guard_stopped:
+                print(f"run {o.spec.name}: stopped by the guard ({o.guard_stopped})", file=sys.stderr)
+            elif o.failed:
                 failed += 1
                 print(
                     f"run {o.spec.name} failed (exit {o.returncode}, {len(o.rows)} steps, {o.attempts} attempt(s)): "

@@ -7,7 +7,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from verl_stable.lab.summaries import LABELS, metric
+from verl_stable.lab.summaries import LABELS, SUPERSEDED, metric
 from verl_stable.lab.switches import regime_name
 
 PLOTTED = ("reward", "entropy", "kl_k3", "clip_frac", "routing_disagreement", "routing_layer_max")
@@ -16,7 +16,7 @@ PLOTTED = ("reward", "entropy", "kl_k3", "clip_frac", "routing_disagreement", "r
 def _bands(rows: Sequence[Mapping], n: int, name: str) -> dict[str, dict[int, list[float]]]:
     out: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
-        if int(r["staleness"]) != n:
+        if int(r["staleness"]) != n or r.get(SUPERSEDED):  # a step a guard rollback redid: its redone row is drawn
             continue
         v = metric(r, name)
         if v is not None:

@@ -44,11 +44,16 @@ def runs_section(runs: Sequence[Mapping]) -> list[str]:
     if not runs:
         return []
     retried = [r for r in runs if r.get("retried")]
-    failed = [r for r in runs if r.get("error") or r["returncode"] != 0]
+    stopped = [r for r in runs if isinstance(r.get("guard_stopped"), str) and not r.get("error")]
+    failed = [r for r in runs if r.get("error") or (r["returncode"] != 0 and r not in stopped)]
     lines = [
-        f"{len(runs)} run(s) recorded: {len(runs) - len(failed)} finished, {len(retried)} retried once after a "
-        f"start-up failure, {len(failed)} failed."
+        f"{len(runs)} run(s) recorded: {len(runs) - len(failed)} finished"
+        + (f" ({len(stopped)} of them stopped early by the acting guard)" if stopped else "")
+        + f", {len(retried)} retried once after a start-up failure, {len(failed)} failed."
     ]
+    for r in stopped:
+        of = f" of {r['expected_steps']}" if isinstance(r.get("expected_steps"), int) else ""
+        lines.append(f"Stopped by the guard: `{r['name']}` after {r['steps']}{of} steps: {r['guard_stopped']}.")
     for r in retried:
         after = "failed again" if r in failed else f"finished on attempt {r.get('attempts', 2)}"
         lines.append(f"Retried: `{r['name']}` -- the first attempt failed while starting: `{r['retried']}`; {after}.")

@@ -24,6 +24,7 @@ from filelock import FileLock
 
 from verl_stable.lab.presets import RunSpec
 from verl_stable.lab.report import row_problem
+from verl_stable.lab.summaries import SUPERSEDED
 
 
 @dataclass
@@ -39,6 +40,7 @@ class RunOutcome:
         attempts: attempts started (2 when a start-up failure was retried, see :mod:`verl_stable.lab.sweep`).
         retried: the first line of the failed first attempt's log that names its error, when it was retried.
         error: the first error line of the last attempt's log when the run failed (None when it succeeded).
+        guard_stopped: why verl-stable's guard ended the run early (a finished run: the guard acted as configured).
     """
 
     spec: RunSpec
@@ -49,11 +51,13 @@ class RunOutcome:
     attempts: int = 1
     retried: str | None = None
     error: str | None = None
+    guard_stopped: str | None = None
 
     @property
     def failed(self) -> bool:
-        """Whether the run ended without success (the sweep may still count its rows, as far as they go)."""
-        return self.returncode != 0 or self.error is not None
+        """Whether the run ended without success (the sweep may still count its rows, as far as they go); a run the
+        guard stopped did not fail."""
+        return (self.returncode != 0 and self.guard_stopped is None) or self.error is not None
 
     def record(self) -> dict[str, Any]:
         """What the report says about the run (``runs/<name>/outcome.json``): identity, steps, attempts, errors."""
@@ -67,12 +71,25 @@ class RunOutcome:
             "attempts": self.attempts,
             "retried": self.retried,
             "error": self.error,
+            "guard_stopped": self.guard_stopped,
         }
 
 
 def tag_rows(rows: list[dict], spec: RunSpec) -> list[dict]:
-    """verl's per-step rows with the run's identity in front."""
-    return [{"variant": spec.variant, "staleness": spec.staleness, "seed": spec.seed, **r} for r in rows]
+    """verl's per-step rows (in the order logged) with the run's identity in front.
+
+    A step logged again later in the run (redone after a guard rollback) marks its earlier rows
+    ``superseded: true`` (:data:`verl_stable.lab.summaries.SUPERSEDED`): both stay on record, the last one is the
+    run's trajectory.
+    """
+    last = {r.get("step"): i for i, r in enumerate(rows)}
+    tagged = []
+    for i, r in enumerate(rows):
+        row = {"variant": spec.variant, "staleness": spec.staleness, "seed": spec.seed, **r}
+        if last[r.get("step")] != i:
+            row[SUPERSEDED] = True
+        tagged.append(row)
+    return tagged
 
 
 def _run_key(row: Any) -> tuple | None:

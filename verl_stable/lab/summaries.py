@@ -50,8 +50,13 @@ METRICS: dict[str, tuple[str, ...]] = {
 PI_OLD_IS_ROLLOUT = frozenset({"dppo"})
 TRAIN_INFERENCE = ("kl_k3", "f2")
 GUARD_PREFIX = "stable/guard/"
+GUARD_COUNTERS = ("rollbacks", "escalations", "skipped_updates")
+"""``stable/guard/<name>`` keys that count the guard's actions rather than flag a rule that fired."""
 MINIRL_MASKED = ("actor/MiniRL/masked_frac_low", "actor/MiniRL/masked_frac_high")
 REQUIRED_FIELDS = ("variant", "staleness", "seed", "step")
+SUPERSEDED = "superseded"
+"""Row key: ``true`` on a step row that a guard rollback redid later in the same run (the run's log holds both; the
+last row logged for a step is the run's trajectory, the earlier ones are kept for the record)."""
 
 
 def metric(row: Mapping, name: str) -> float | None:
@@ -94,17 +99,21 @@ def row_problem(row: Mapping) -> str | None:
                 return f"key {key!r} must be a string, got {_described(value)}"
         elif isinstance(value, bool) or not isinstance(value, int):
             return f"key {key!r} must be an integer, got {_described(value)}"
+    if SUPERSEDED in row and not isinstance(row[SUPERSEDED], bool):
+        return f"key {SUPERSEDED!r} must be a bool, got {_described(row[SUPERSEDED])}"
     return None
 
 
 def check_rows(rows: Sequence[Mapping]) -> None:
     """Raise ``ValueError`` for a row whose run identity or step is missing or mistyped (:func:`row_problem`), or
-    a step repeated within a run."""
+    a step repeated within a run (a row marked :data:`SUPERSEDED`, redone after a guard rollback, is not a repeat)."""
     seen = set()
     for i, row in enumerate(rows):
         problem = row_problem(row)
         if problem is not None:
             raise ValueError(f"metric row {i}: {problem}")
+        if row.get(SUPERSEDED):
+            continue
         key = (row["variant"], row["staleness"], row["seed"], row["step"])
         if key in seen:
             raise ValueError(f"duplicate step {row['step']} for {key[:3]}")
@@ -142,14 +151,22 @@ class RunSummary:
     kl_k3_median: float | None = None  # the median step's KL: robust to one spiking step (module docstring)
     routing_layer_max: float | None = None
     routing_token_any_layer: float | None = None
+    steps_redone: int = 0  # rows a guard rollback superseded (summarize_run)
 
 
 def summarize_run(rows: Sequence[Mapping]) -> RunSummary:
-    """Summary of one run's rows (all with the same variant, N and seed), sorted by step."""
-    rows = sorted(rows, key=lambda r: r["step"])
+    """Summary of one run's rows (all with the same variant, N and seed), sorted by step.
+
+    A guard that rolled the run back logged some steps twice: the rules that fired are read from every row (the
+    firing step itself is redone), everything else from the run's trajectory, the rows not :data:`SUPERSEDED`;
+    ``rollbacks`` counts the rows redone.
+    """
+    fired = sorted({k[len(GUARD_PREFIX) :] for r in rows for k, v in r.items() if k.startswith(GUARD_PREFIX) and v})
+    fired = [f for f in fired if f not in GUARD_COUNTERS]
+    redone = sum(1 for r in rows if r.get(SUPERSEDED))
+    rows = sorted((r for r in rows if not r.get(SUPERSEDED)), key=lambda r: r["step"])
     rewards = [metric(r, "reward") for r in rows]
     present = [x for x in rewards if x is not None]
-    fired = sorted({k[len(GUARD_PREFIX) :] for r in rows for k, v in r.items() if k.startswith(GUARD_PREFIX) and v})
     return RunSummary(
         variant=rows[0]["variant"],
         staleness=int(rows[0]["staleness"]),
@@ -168,6 +185,7 @@ def summarize_run(rows: Sequence[Mapping]) -> RunSummary:
         kl_k3_median=_median(metric(r, "kl_k3") for r in rows),
         routing_layer_max=_mean(metric(r, "routing_layer_max") for r in rows),
         routing_token_any_layer=_mean(metric(r, "routing_token_any_layer") for r in rows),
+        steps_redone=redone,
     )
 
 

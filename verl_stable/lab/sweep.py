@@ -98,13 +98,34 @@ def is_complete(run_dir: Path, overrides: Sequence[str], steps: int) -> bool:
         record = json.loads(done.read_text())
         if not isinstance(record, dict) or record.get("digest") != overrides_digest(overrides):
             return False
+        if isinstance(record.get(GUARD_STOPPED), str):  # the guard ended it early: that is its outcome
+            return True
         return len({r["step"] for r in read_metrics(metrics)}) >= steps
     except (ValueError, KeyError, TypeError):  # a line cut short by a killed run: incomplete, run again
         return False
 
 
-# a lab run's own files beside verl's: set aside together when the run starts over
-RUN_FILES = ("metrics.jsonl", "done.json", "error.txt", "main_ppo.log", "outcome.json")
+# a lab run's files: set aside together when the run starts over (``checkpoints``: verl's ``default_local_dir``, with
+# the guard's run summary and any checkpoint, which verl would otherwise resume from)
+RUN_FILES = ("metrics.jsonl", "done.json", "error.txt", "main_ppo.log", "outcome.json", "checkpoints")
+GUARD_STOPPED = "guard_stopped"
+"""``done.json`` / ``outcome.json`` key: why the guard ended the run early (a run that acting guard stopped is a
+finished run, not a failed one)."""
+
+
+def guard_stop_reason(run_dir: Path) -> str | None:
+    """Why verl-stable's guard stopped the run in ``run_dir``, from the run summary the trainer writes at the end of
+    ``fit`` (``checkpoints/verl_stable_summary.json``); None when it did not (or wrote no summary)."""
+    from verl_stable.monitor.run_summary import SUMMARY_FILE
+
+    try:
+        report = json.loads((run_dir / "checkpoints" / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(report, dict) or report.get("ended") != "stopped by the guard":
+        return None
+    reason = report.get("stop_reason")
+    return reason if isinstance(reason, str) and reason else "stopped by the guard"
 
 
 def _count_lines(path: Path) -> int:
@@ -151,8 +172,10 @@ def run_one(
         (run_dir / "error.txt").write_text(repr(result["error"]))
         return -1, False
     rc = result["proc"].returncode
-    if rc == 0:
-        (run_dir / "done.json").write_text(json.dumps({"digest": overrides_digest(overrides), "argv": list(overrides)}))
+    stopped = guard_stop_reason(run_dir) if rc != 0 else None
+    if rc == 0 or stopped is not None:
+        done = {"digest": overrides_digest(overrides), "argv": list(overrides)}
+        (run_dir / "done.json").write_text(json.dumps({**done, GUARD_STOPPED: stopped} if stopped else done))
     return rc, False
 
 
@@ -435,12 +458,15 @@ def run_sweep(
             tracker.set(spec.name, 0, f"{label} (start-up failed: retrying)")
         tracker.set(spec.name, preset.steps, label + (" (cached)" if skipped else f" ({time.monotonic() - t0:.0f}s)"))
         error = None
-        if rc != 0:
+        stopped = guard_stop_reason(run_dir) if rc != 0 else None
+        if stopped is not None:
+            pass  # the acting guard ended the run: its outcome, not an error
+        elif rc != 0:
             error = first_error_line(run_dir) or f"exit {rc}, no error line in {run_dir / 'main_ppo.log'}"
         elif len({r["step"] for r in rows}) < preset.steps:
             error = f"exited 0 after {len({r['step'] for r in rows})} of {preset.steps} steps"
         outcome = RunOutcome(
-            spec, tag_rows(rows, spec), rc, skipped, run_dir / "main_ppo.log", attempt + 1, retried, error
+            spec, tag_rows(rows, spec), rc, skipped, run_dir / "main_ppo.log", attempt + 1, retried, error, stopped
         )
         if not skipped:  # a complete run keeps the record of the sweep that measured it
             # wall-clock start and end (epoch seconds): which runs overlapped, how long each took with its retry

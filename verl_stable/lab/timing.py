@@ -50,15 +50,16 @@ def run_split(record: Mapping, rows: Sequence[Mapping]) -> dict[str, float] | No
     started, finished = record.get("started"), record.get("finished")
     if not all(isinstance(t, (int, float)) and math.isfinite(t) for t in (started, finished)) or finished <= started:
         return None
-    by_step = {}
+    times = []  # (step, seconds) in the order logged: a step a guard rollback redid took its time twice
     for row in rows:
         t = row.get("timing_s/step")
         if isinstance(t, (int, float)) and math.isfinite(t) and t >= 0:
-            by_step[int(row["step"])] = float(t)  # a step logged twice (a retried attempt): its last time
-    if not by_step:
+            times.append((int(row["step"]), float(t)))
+    if not times:
         return None
+    by_step = dict(reversed(times))  # each step's first time (step 1: verl's lazily created workers start)
     wall = float(finished - started)
-    steps = sum(by_step.values())
+    steps = sum(t for _, t in times)
     startup = max(wall - steps, 0.0)
     return {
         "wall": wall,
