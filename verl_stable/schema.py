@@ -262,6 +262,7 @@ class RuleOptions(_Strict):
     optional: bool | None = None
     max_skips: Window | None = None
     max_rollbacks: Window | None = None
+    rollback_data: Literal["replay", "skip"] | None = None
     escalate_to: EscalationOptions | None = None
 
 

@@ -132,3 +132,56 @@ def test_a_rollback_does_not_restore_the_guard_state_it_counts(tmp_path):
 def test_an_escalation_verl_would_refuse_fails_when_the_trainer_is_built(tmp_path):
     with pytest.raises(ValueError, match="verl's rollout correction refuses"):
         _trainer(tmp_path, "++stable.guard.rules.kl_escalate.escalate_to.rollout_rs_threshold=abc")
+
+
+class _CheckpointManager:
+    """Stands in for verl's checkpoint engine manager: records the weight syncs to the rollout."""
+
+    def __init__(self) -> None:
+        self.synced: list[int] = []
+
+    def update_weights(self, global_steps):
+        self.synced.append(global_steps)
+
+
+@pytest.mark.parametrize(("rollback_data", "redone_on"), [("replay", [2, 3]), ("skip", [8, 9])])
+def test_a_rollback_redoes_its_steps_on_the_checkpoints_batches_or_on_new_ones(tmp_path, rollback_data, redone_on):
+    """Through verl's own _load_checkpoint and a real StatefulDataLoader: the run checkpointed after step 1, reached
+    step 4 and fired; ``replay`` redoes step 2 on step 2's batch, ``skip`` on the batch after step 4's."""
+    import torch
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    rule = "+stable.guard.rules.entropy_blowup"
+    trainer = _trainer(
+        tmp_path,
+        f"{rule}.condition=above",
+        f"{rule}.metric=actor/entropy",
+        f"{rule}.threshold=4.0",
+        f"{rule}.action=rollback",
+        f"{rule}.rollback_data={rollback_data}",
+    )
+    trainer.checkpoint_manager = _CheckpointManager()
+    trainer.train_dataloader = StatefulDataLoader(list(range(20)), batch_size=2)
+    batches = iter(trainer.train_dataloader)
+    assert next(batches).tolist() == [0, 1]  # step 1, then its checkpoint
+    _checkpoint(tmp_path, 1)
+    (tmp_path / "global_step_1" / "actor").mkdir()
+    (tmp_path / "global_step_1" / "actor" / "ckpt_contents.json").write_text("{}")  # a complete save (Megatron's mark)
+    torch.save(trainer.train_dataloader.state_dict(), tmp_path / "global_step_1" / "data.pt")
+    assert [next(batches).tolist() for _ in range(3)] == [[2, 3], [4, 5], [6, 7]]  # steps 2-4
+    trainer.global_steps = 4
+    verdicts = trainer._stable_state().step(4, None, {"actor/entropy": 6.8})
+    trainer._stable_handle(verdicts, 4)
+    (folder, to_step, _, skip) = trainer._stable_pending_rollback
+    assert (folder, to_step, skip) == (str(tmp_path / "global_step_1"), 1, rollback_data == "skip")
+    trainer._stable_rollback(*trainer._stable_pending_rollback)
+    assert trainer.global_steps == 2 and trainer.checkpoint_manager.synced == [2]
+    assert trainer.actor_rollout_wg.loaded == [str(tmp_path / "global_step_1" / "actor")]  # the weights: step 1's
+    assert next(iter(trainer.train_dataloader)).tolist() == redone_on
+
+
+def test_rollback_data_is_for_rollback_rules_only(tmp_path):
+    with pytest.raises(ValueError, match="rollback_data 'skip' is for action 'rollback', not 'warn'"):
+        _trainer(tmp_path, "+stable.guard.rules.train_inference_kl.rollback_data=skip")
+    with pytest.raises(ValueError, match="rollback_data"):
+        _trainer(tmp_path, "+stable.guard.rules.train_inference_kl.rollback_data=later")

@@ -46,9 +46,9 @@ def composed() -> dict[str, dict]:
 def test_override_lists_differ_only_by_the_named_switches(name):
     base, mine = V.as_dict(_ov("minirl")), V.as_dict(_ov(name))
     changed = {k for k in base.keys() | mine.keys() if base.get(k) != mine.get(k)} - PER_RUN
-    assert changed == set(V.VARIANTS[name].switches)
+    assert changed == {V.override_key(k) for k in V.VARIANTS[name].switches}
     for key, value in V.VARIANTS[name].switches.items():
-        assert mine[key] == V.format_value(value)
+        assert mine[V.override_key(key)] == V.format_value(value)
 
 
 @pytest.mark.parametrize("name", list(V.VARIANTS))
@@ -58,9 +58,9 @@ def test_composed_configs_differ_only_by_the_named_switches(composed, name):
     mine = composed[name]
     changed = {k for k in reference.keys() | mine.keys() if reference.get(k) != mine.get(k)} - PER_RUN
     if variant.recipe == "minirl_onpolicy":
-        assert changed == set(variant.switches)
+        assert changed == {V.override_key(k) for k in variant.switches}
         for key, value in variant.switches.items():
-            assert mine[key] == value
+            assert mine[V.override_key(key)] == value
     else:  # vespo: its recipe differs from MiniRL's in the loss block only
         assert changed and all(k.startswith("actor_rollout_ref.actor.policy_loss.") for k in changed), changed
         assert mine[V.LOSS_MODE] == "vespo"

@@ -91,7 +91,13 @@ class GuardActionsMixin:
         if rollback is not None and not stopping:  # a stop on the same step wins
             to_step = int(os.path.basename(rollback.last_good_checkpoint).removeprefix("global_step_"))
             # verl decides "last step" before calling step(): keep it false for the step that is redone instead
-            self._stable_pending_rollback = (rollback.last_good_checkpoint, to_step, self.total_training_steps)
+            rule = next(r for r in self._stable_monitor.guard.rules if r.name == rollback.rule)
+            self._stable_pending_rollback = (
+                rollback.last_good_checkpoint,
+                to_step,
+                self.total_training_steps,
+                rule.rollback_data == "skip",
+            )
             self.total_training_steps += step - to_step
         if stopping:
             self._stable_trip = stopping
@@ -119,11 +125,13 @@ class GuardActionsMixin:
         path = None if good is None else os.path.join(root, f"global_step_{good}")
         return Verdict(verdict.rule, verdict.action, verdict.step, verdict.values, verdict.message, path)
 
-    def _stable_rollback(self, folder: str, to_step: int, total_training_steps: int) -> None:
+    def _stable_rollback(self, folder: str, to_step: int, total_training_steps: int, skip_data: bool = False) -> None:
         """Go back to the checkpoint ``folder`` (of step ``to_step``) and continue with step ``to_step + 1``.
 
         verl's ``_load_checkpoint`` does the restoring, as for a resume from that folder: actor (and critic) weights,
-        optimizer and LR scheduler, the dataloader's position. Then the dataloader's iterator is rebuilt from that
+        optimizer and LR scheduler, the dataloader's position. With ``skip_data`` (a rule's ``rollback_data:
+        skip``) the dataloader then takes back the position it had reached before the rollback, so the redone steps
+        train on the batches after the abandoned ones. Then the dataloader's iterator is rebuilt from its
         position, the rollout receives the restored weights (as the sync trainer does after loading at start-up), the
         resume pointer verl writes (``latest_checkpointed_iteration.txt``) is set back to ``to_step`` so an automatic
         resume after a crash also starts from the good checkpoint (with this run's guard state), and the monitor
@@ -139,9 +147,13 @@ class GuardActionsMixin:
         with open_dict(trainer_config):
             # a rollback keeps the checkpoint it loads: a later rollback (max_rollbacks > 1) may need it again
             trainer_config.update(resume_mode="resume_path", resume_from_path=folder, del_local_ckpt_after_load=False)
+        # the position the abandoned steps reached (torchdata's StatefulDataLoader, as verl's checkpoint saves it)
+        reached = self.train_dataloader.state_dict() if skip_data else None
         self._stable_rolling_back = True
         try:
             self._load_checkpoint()
+            if reached is not None:
+                self.train_dataloader.load_state_dict(reached)
         finally:
             self._stable_rolling_back = False
             with open_dict(trainer_config):
@@ -158,7 +170,12 @@ class GuardActionsMixin:
             f.write(str(to_step))
         self._stable_monitor.rolled_back(to_step)
         self._stable_persist()
-        logger.warning("verl-stable guard: rolled back to %s; continuing at step %d", folder, self.global_steps)
+        logger.warning(
+            "verl-stable guard: rolled back to %s; continuing at step %d on %s",
+            folder,
+            self.global_steps,
+            "the batches after the abandoned steps' (rollback_data: skip)" if skip_data else "the checkpoint's batches",
+        )
 
     # ------------------------------------------------------------------------------------------------ run state
     def _stable_state_path(self, step: int | None = None) -> str | None:

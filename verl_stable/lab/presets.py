@@ -193,6 +193,7 @@ PRESETS: dict[str, Preset] = {
                 (v, 8)
                 for v in (
                     "minirl_noclip",
+                    "minirl_noclip_guard",
                     "minirl",
                     "reinforce_no_is",
                     "minirl_r2",

@@ -60,6 +60,15 @@ SWITCHES = (
     # the clipped fraction is what clipping does, not a cost: judged on reward only
     Switch("clipping", "minirl", "minirl_noclip", "MiniRL's clipping (trust region) vs none", REWARD_JUDGED),
     Switch("VESPO", "vespo", "minirl", "VESPO (sequence-level reshaping) vs MiniRL", REWARD_JUDGED),
+    # issue #29: does a guard that rolls back (then stops) rescue a run without a trust region? A run it stopped has
+    # fewer steps: the comparison names it as stopping short, and the report's runs section says the guard stopped it
+    Switch(
+        "acting guard",
+        "minirl_noclip_guard",
+        "minirl_noclip",
+        "without clipping: the guard (entropy blow-up -> rollback, then stop) vs none",
+        REWARD_JUDGED,
+    ),
 )
 
 BASELINES = (

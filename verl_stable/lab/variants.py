@@ -12,6 +12,9 @@ A variant never carries a loss, estimator or replay of its own: it selects a rec
     minirl_r2         minirl_onpolicy  router_replay.mode = R2
     minirl_r3         minirl_onpolicy  router_replay.mode = R3 (rollout routing export is on for every run)
     minirl_noclip     minirl_onpolicy  clip_ratio_low = 0.99, clip_ratio_high = 100 (ratio bounds [0.01, 101]: ~no trust region)
+    minirl_noclip_guard  minirl_onpolicy  minirl_noclip's switches + an acting guard: rule entropy_blowup (the update's
+                                       token entropy actor/entropy above 4.0 -> rollback, redone on new batches),
+                                       a checkpoint every step
     vespo             vespo            (none)
 
 verl's own answers to the same problem (the baselines a verl user would pick instead; each sets the algorithm's keys
@@ -72,6 +75,31 @@ GUARD_ACTIONS = (
     "stable.guard.rules.entropy_collapse.action",
     "stable.guard.rules.train_inference_kl.action",
 )
+
+NO_CLIP: dict[str, Any] = {CLIP_LOW: 0.99, CLIP_HIGH: 100.0}
+"""Ratio bounds [0.01, 101]: MiniRL's mask (practically) never fires; the IS weight stays. The monitor's staleness
+metrics need a finite trust region with eps_low < 1, so "none" is this wide one."""
+
+ENTROPY_BLOWUP = "+stable.guard.rules.entropy_blowup"
+ENTROPY_BLOWUP_THRESHOLD = 4.0
+"""The acting guard's line (``actor/entropy``, the token entropy of the policy being updated, nats): set from the runs
+that found the stability regime (docs/lab.md, "The regime search" part 3: seeds 0-3 at N = 8, 24 steps): every
+run with clipping stayed at or below 2.5, the runs without clipping that lost the task rose to 6.8-11.8 within a few
+steps of leaving it; judged on the `stability` preset's other seeds."""
+GUARDED: dict[str, Any] = {
+    f"{ENTROPY_BLOWUP}.condition": "above",
+    f"{ENTROPY_BLOWUP}.metric": "actor/entropy",
+    f"{ENTROPY_BLOWUP}.threshold": ENTROPY_BLOWUP_THRESHOLD,
+    f"{ENTROPY_BLOWUP}.action": "rollback",  # max_rollbacks: the schema's default (2), then stop_checkpoint
+    # the lab's runs are deterministic: redone on the same batches and sampling seeds they would blow up again
+    f"{ENTROPY_BLOWUP}.rollback_data": "skip",
+    # a rollback needs a checkpoint before the damage; four kept are enough for the two steps it looks back
+    "trainer.save_freq": 1,
+    "trainer.max_actor_ckpt_to_keep": 4,
+}
+"""An acting guard (issue #29): the run goes back to its last good checkpoint when the policy's entropy blows up and
+redoes the steps after it on new batches; it stops (naming that checkpoint) when the blow-up comes back after two
+rollbacks, or when no checkpoint before it is known good."""
 
 # verl's FSDP engine defaults to bf16 autocast (``mixed_precision=None`` -> param_dtype bf16); fp32 everywhere makes
 # the actor the fp32 "training engine" of the paper's fp8-inference / higher-precision-training setup.
@@ -183,10 +211,14 @@ VARIANTS: dict[str, Variant] = {
         Variant(
             "minirl_noclip",
             "minirl_onpolicy",
-            # ratio bounds [0.01, 101]: MiniRL's mask (practically) never fires; the IS weight stays. The monitor's
-            # staleness metrics need a finite trust region with eps_low < 1, so "none" is this wide one
-            {CLIP_LOW: 0.99, CLIP_HIGH: 100.0},
+            NO_CLIP,
             "MiniRL without clipping (trust region widened to [0.01, 101])",
+        ),
+        Variant(
+            "minirl_noclip_guard",
+            "minirl_onpolicy",
+            {**NO_CLIP, **GUARDED},
+            "MiniRL without clipping, with the acting guard (entropy blow-up -> rollback, then stop)",
         ),
         Variant("vespo", "vespo", {}, "VESPO (sequence-level reshaped IS)"),
         # the baselines: verl's own answers, run through verl's trainer like the rest

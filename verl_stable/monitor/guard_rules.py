@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from verl_stable.metric_names import IS_WEIGHTS, ROUTING, TRAIN_INF, TRANSPORT
 from verl_stable.monitor.common import check_bool, check_int, check_real, type_name
@@ -34,6 +34,8 @@ decides whether that update is applied."""
 DEFAULT_MAX_SKIPS = 3
 DEFAULT_MAX_ROLLBACKS = 2
 CONDITIONS: tuple[str, ...] = ("above", "below", "below_and_falling", "non_finite")
+RollbackData = Literal["replay", "skip"]
+ROLLBACK_DATA: tuple[str, ...] = get_args(RollbackData)
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,12 @@ class Rule:
             ``stop_checkpoint`` (an int >= 1).
         max_rollbacks: ``rollback`` only: rollbacks this rule may ask for in one run before it escalates to
             ``stop_checkpoint`` (an int >= 1): a fault that recurs after every rollback is not transient.
+        rollback_data: ``rollback`` only: which batches the redone steps train on. ``replay`` (default): the ones
+            after the checkpoint again, as a resume from it would (bit-for-bit where the run is deterministic: a
+            transient fault, such as a bad optimizer step, does not come back, but damage the data and sampling
+            themselves cause does); ``skip``: the ones the abandoned steps had not reached, so the steps after the
+            checkpoint are redone on new data (the restarts of large pre-training runs skip the batches around a
+            loss spike the same way).
         escalate_to: ``escalate`` only (and required there): the fields of verl's ``algorithm.rollout_correction``
             the run moves to, as ``(key, value)`` pairs sorted by key (a mapping is accepted), keys from
             :data:`~verl_stable.schema.ESCALATION_KEYS`, values typed by :class:`~verl_stable.schema.EscalationOptions`.
@@ -81,6 +89,7 @@ class Rule:
     optional: bool = False
     max_skips: int = DEFAULT_MAX_SKIPS
     max_rollbacks: int = DEFAULT_MAX_ROLLBACKS
+    rollback_data: RollbackData = "replay"
     escalate_to: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
@@ -115,6 +124,12 @@ class Rule:
         object.__setattr__(self, "max_rollbacks", check_int(f"{where}: max_rollbacks", self.max_rollbacks))
         if not 1 <= self.max_rollbacks <= MAX_WINDOW:
             raise ValueError(f"{where}: max_rollbacks must be in [1, {MAX_WINDOW}], got {self.max_rollbacks!r}")
+        if self.rollback_data not in ROLLBACK_DATA:
+            raise ValueError(f"{where}: rollback_data must be one of {ROLLBACK_DATA}, got {self.rollback_data!r}")
+        if self.rollback_data != "replay" and self.action != "rollback":
+            raise ValueError(
+                f"{where}: rollback_data {self.rollback_data!r} is for action 'rollback', not {self.action!r}"
+            )
         object.__setattr__(self, "escalate_to", _escalation(where, self.escalate_to))
         if (self.action == "escalate") != bool(self.escalate_to):
             need = "needs a non-empty escalate_to" if self.action == "escalate" else "has escalate_to but"
