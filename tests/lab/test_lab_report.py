@@ -86,6 +86,12 @@ def test_a_rolled_back_run_is_summarised_on_its_trajectory_and_keeps_every_row()
     assert (s.steps, s.steps_redone, s.final_reward, s.best_reward) == (3, 2, 0.7, 0.7)
     assert s.late_reward == pytest.approx(0.65)  # steps 2-3 of the trajectory: the redone rows
     assert s.guard_fired == ("entropy_blowup",)  # read from the superseded firing row; the counter is not a rule
+    (cell,) = R.summarize(rows)
+    assert cell.steps_redone == ((5, 2),) and cell.guard_fired == ("entropy_blowup (1/1 seeds)",)
+    assert (
+        "The guard rolled back minirl_noclip_guard N=8 (seed 5: 2 step(s) redone)"
+        in R.observations(R.summarize([{**r, "variant": "minirl_noclip_guard"} for r in rows]))[-1]
+    )
     with pytest.raises(ValueError, match="duplicate step 2"):
         R.check_rows([{**r, "superseded": False} for r in rows])
     with pytest.raises(ValueError, match="'superseded' must be a bool, got the string 'yes'"):

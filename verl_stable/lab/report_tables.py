@@ -174,7 +174,16 @@ def observations(cells: Sequence[CellSummary]) -> list[str]:
                 f"R3, N={r3.staleness}: routing disagreement with the rollout {fmt(d)} (0 when the replay works: "
                 f"{'yes' if d == 0 else 'NO'}); the router's own choice differs on {fmt(hidden)} of the rows."
             )
-    no_replay = ("minirl", "reinforce_no_is", "minirl_noclip", "vespo", "vanilla_grpo", "verl_tis", "dppo")
+    no_replay = (
+        "minirl",
+        "reinforce_no_is",
+        "minirl_noclip",
+        "minirl_noclip_guard",
+        "vespo",
+        "vanilla_grpo",
+        "verl_tis",
+        "dppo",
+    )
     for c in cells:
         d = c.mean("routing_disagreement")
         if c.variant in no_replay and d is not None:
@@ -184,4 +193,11 @@ def observations(cells: Sequence[CellSummary]) -> list[str]:
             )
     fired = [f"{c.variant} N={c.staleness} ({', '.join(c.guard_fired)})" for c in cells if c.guard_fired]
     out.append("Guard fired in: " + ("; ".join(fired) if fired else "no run") + ".")
+    for c in cells:
+        if c.steps_redone:
+            seeds = ", ".join(f"seed {seed}: {k} step(s) redone" for seed, k in c.steps_redone)
+            out.append(
+                f"The guard rolled back {c.variant} N={c.staleness} ({seeds}); its numbers are those of the steps "
+                "the run kept, the abandoned rows stay in metrics.jsonl marked superseded."
+            )
     return out

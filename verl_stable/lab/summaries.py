@@ -246,6 +246,7 @@ class CellSummary:
     per_seed: dict[str, dict[int, float]]
     guard_fired: tuple[str, ...]
     run_seeds: tuple[int, ...] = ()  # the seeds whose runs logged at least one step in this cell
+    steps_redone: tuple[tuple[int, int], ...] = ()  # (seed, steps a guard rollback redid) of the runs rolled back
 
     @property
     def seeds(self) -> int:
@@ -276,7 +277,8 @@ def summarize(rows: Sequence[Mapping]) -> list[CellSummary]:
             for g in sorted({g for r in runs for g in r.guard_fired})
         )
         seeds = tuple(sorted(r.seed for r in runs))
-        cells.append(CellSummary(variant, n, min(r.steps for r in runs), per_seed, fired, seeds))
+        redone = tuple(sorted((r.seed, r.steps_redone) for r in runs if r.steps_redone))
+        cells.append(CellSummary(variant, n, min(r.steps for r in runs), per_seed, fired, seeds, redone))
     return cells
 
 
