@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_stable.lab import cli, report, sweep
+from verl_stable.lab import attempts, cli, report, sweep
 from verl_stable.lab.coldstart import ColdStartResult
 from verl_stable.lab.progress import ProgressBar
 from verl_stable.toy.assets import Assets
@@ -30,7 +30,7 @@ STARTUP_LOG = (
     "RuntimeError: later, caused by the above\n"
 )
 TRAINING_LOG = (
-    "INFO:2026-12-03 02:01:15,812:" + sweep.READY_MARKER + "\n"
+    "INFO:2026-12-03 02:01:15,812:" + attempts.READY_MARKER + "\n"
     "Traceback (most recent call last):\n"
     "ValueError: loss is nan at step 1\n"
 )
@@ -179,39 +179,39 @@ def test_forced_start_failure_reaches_only_the_first_attempt(lab, monkeypatch):
 
     def runner(overrides, run_dir, steps, on_step, timeout_s):
         seen.append(list(overrides))
-        forced = sweep.FORCED_START_FAILURE in overrides
+        forced = attempts.FORCED_START_FAILURE in overrides
         return Runner({run_dir.name: [("fail" if forced else "ok", STARTUP_LOG if forced else None)]})(
             overrides, run_dir, steps, on_step, timeout_s
         )
 
-    monkeypatch.setenv(sweep.FORCE_START_FAILURE_ENV, "minirl_r3__N4__s0")
+    monkeypatch.setenv(attempts.FORCE_START_FAILURE_ENV, "minirl_r3__N4__s0")
     outcomes = {o.spec.name: o for o in _sweep(out, preset, runner)}
     assert outcomes["minirl_r3__N4__s0"].attempts == 2 and outcomes["minirl_r3__N4__s0"].error is None
-    assert sum(sweep.FORCED_START_FAILURE in ov for ov in seen) == 1 and len(seen) == 7
+    assert sum(attempts.FORCED_START_FAILURE in ov for ov in seen) == 1 and len(seen) == 7
     # a second sweep finds every run complete: nothing forced, nothing started
     seen.clear()
     assert all(o.skipped for o in _sweep(out, preset, runner))
-    assert len(seen) == 6 and not any(sweep.FORCED_START_FAILURE in ov for ov in seen)
+    assert len(seen) == 6 and not any(attempts.FORCED_START_FAILURE in ov for ov in seen)
 
 
 def test_startup_failure_rule(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "main_ppo.log").write_text(STARTUP_LOG)
-    assert "ActorDiedError" in sweep.startup_failure(1, [], run)
-    assert sweep.startup_failure(0, [], run) is None  # succeeded
-    assert sweep.startup_failure(1, [{"step": 1}], run) is None  # failed after a step: inside training
+    assert "ActorDiedError" in attempts.startup_failure(1, [], run)
+    assert attempts.startup_failure(0, [], run) is None  # succeeded
+    assert attempts.startup_failure(1, [{"step": 1}], run) is None  # failed after a step: inside training
     (run / "main_ppo.log").write_text(TRAINING_LOG)
-    assert sweep.startup_failure(1, [], run) is None  # the training loop had started, the error is the code's
+    assert attempts.startup_failure(1, [], run) is None  # the training loop had started, the error is the code's
     # ... unless the error after the marker is the machinery's (a worker killed, a lost connection)
     (run / "main_ppo.log").write_text(TRAINING_LOG.replace("ValueError: loss is nan", "ray.exceptions.ActorDiedError:"))
-    assert "ActorDiedError" in sweep.startup_failure(1, [], run)
+    assert "ActorDiedError" in attempts.startup_failure(1, [], run)
     (run / "main_ppo.log").write_text(CONFIG_LOG)
-    assert sweep.startup_failure(1, [], run) is None
+    assert attempts.startup_failure(1, [], run) is None
     (run / "main_ppo.log").write_text("")
-    assert sweep.startup_failure(-9, [], run) == "exit -9 before verl's training loop started"
+    assert attempts.startup_failure(-9, [], run) == "exit -9 before verl's training loop started"
     (run / "error.txt").write_text("TimeoutExpired(cmd=['python'], timeout=900)")
-    assert sweep.startup_failure(-1, [], run) is None  # the sweep's own time limit: not retried
+    assert attempts.startup_failure(-1, [], run) is None  # the sweep's own time limit: not retried
 
 
 def test_cli_names_the_retry_and_the_failure(lab, monkeypatch, capsys):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_stable.lab import cli, report, sweep
+from verl_stable.lab import attempts, cli, report, sweep
 from verl_stable.lab import variants as V
 
 
@@ -121,7 +121,7 @@ def test_mini_preset_end_to_end(tmp_path, monkeypatch):
 
     out = tmp_path / "lab"
     lines = []
-    monkeypatch.setenv(sweep.FORCE_START_FAILURE_ENV, "minirl_r3__N2__s1")
+    monkeypatch.setenv(attempts.FORCE_START_FAILURE_ENV, "minirl_r3__N2__s1")
     argv = ["--preset", "mini", "--seeds", "0", "1", "--jobs", "2", "--out", str(out)]
     rc = cli.main([*argv, "--timeout", "900"], out=lines.append)
     logs = {s: (out / "runs" / f"minirl_r3__N2__s{s}" / "main_ppo.log") for s in (0, 1)}
@@ -174,7 +174,7 @@ def test_mini_preset_end_to_end(tmp_path, monkeypatch):
     assert "2 run(s) recorded: 2 finished, 1 retried once after a start-up failure, 0 failed." in text
     assert "Retried: `minirl_r3__N2__s1`" in text
     # resumable: a second invocation reuses the finished runs and rewrites the same report
-    monkeypatch.delenv(sweep.FORCE_START_FAILURE_ENV)
+    monkeypatch.delenv(attempts.FORCE_START_FAILURE_ENV)
     mtime = (run_dir / "metrics.jsonl").stat().st_mtime
     assert cli.main(argv, out=lines.append) == 0
     assert (run_dir / "metrics.jsonl").stat().st_mtime == mtime
