@@ -19,12 +19,16 @@ from collections.abc import Mapping, Sequence
 
 from verl_stable.lab.summaries import group_runs
 
-STARTUP_S = 105.0
+STARTUP_S = 120.0
 """Per run, two runs at a time on 2 cores: wall time not spent in verl's later steps (start-up, step 1's extra
-~22 s, shutdown). Measured (session 14): 112 s at N = 4 (the default preset), 96 s at N = 8 (16-step runs)."""
-STEP_S_PER_MINI_BATCH = 1.1
+~30 s, shutdown). Measured: 112 s at N = 4 (the default preset, session 14), 96 s at N = 8 (16-step runs, session
+14), 127 s median over the `stability` preset's 24 runs (N = 8, 24 steps, session 15)."""
+STEP_S_PER_MINI_BATCH = 1.3
 """Per step and mini-batch of the lab's geometry (4 prompts x 4 samples), two runs at a time on 2 cores: steps 2-8
-took 4.7 s at N = 4, steps 2-16 8.1 s at N = 8 (session 14)."""
+took 4.7 s at N = 4, steps 2-16 8.1 s at N = 8 (session 14); steps 2-24 11.6 s at N = 8 in the `stability` preset
+(session 15). The two constants put the default preset
+~5 % above its measured time (8.1 min against 7 min 43 s) and the `stability` preset ~25 % below it (74 min
+against ~97)."""
 
 
 def estimate_seconds(num_runs: int, steps: int, staleness: Sequence[int], jobs: int) -> float:
