@@ -235,12 +235,14 @@ def test_a_run_the_guard_stopped_is_finished_not_failed_and_not_run_again(lab, m
     """Through the real run_one (verl's launcher replaced): a guarded run that rolled back once and was then stopped
     by its guard exits 1 and writes the run summary; the sweep counts it finished, keeps every row, does not start it
     again, and the CLI exits 0."""
+    from dataclasses import replace
     from types import SimpleNamespace
 
     from verl_stable.monitor.run_summary import SUMMARY_FILE
     from verl_stable.toy import launch
 
     out, preset = lab
+    preset = replace(preset, steps=3)  # the guard stops the run after 2 of its 3 steps
     stopped_run = "minirl_r3__N4__s1"
     reason = "[entropy_blowup] actor/entropy = 6.8 above 4 (no rollback left)"
     calls: list[str] = []
@@ -271,10 +273,12 @@ def test_a_run_the_guard_stopped_is_finished_not_failed_and_not_run_again(lab, m
     assert [(r["step"], r.get("superseded", False)) for r in rows] == [(1, False), (2, True), (2, False)]
     text = (out / "report.md").read_text()
     assert "6 run(s) recorded: 6 finished (1 of them stopped early by the acting guard)" in text
-    assert f"Stopped by the guard: `{stopped_run}` after 2 of 2 steps: {reason}." in text
-    # a second sweep finds every run complete, the stopped one too: nothing is started again
+    assert f"Stopped by the guard: `{stopped_run}` after 2 of 3 steps: {reason}." in text
+    # a second sweep finds every run complete, the stopped one too: nothing is started again, and the stopped run,
+    # read back from disk, is still stopped by the guard rather than short of its steps
     assert cli.main(["--preset", "t", "--out", str(out)], out=lambda _: None) == 0
     assert len(calls) == 6
+    assert f"run {stopped_run}: stopped by the guard ({reason})" in capsys.readouterr().err
     # the same run killed before its summary was written is incomplete and starts over, its files set aside
     (out / "runs" / stopped_run / "done.json").unlink()
     assert cli.main(["--preset", "t", "--out", str(out)], out=lambda _: None) == 0

@@ -26,7 +26,7 @@ from typing import Any
 
 from verl_stable.integration import escalation
 from verl_stable.monitor.checkpoints import DEFAULT_LOAD_CONTENTS, resumable_checkpoint_steps
-from verl_stable.monitor.guard import Verdict, last_good_checkpoint_step
+from verl_stable.monitor.guard import Rule, Verdict, last_good_checkpoint_step
 from verl_stable.monitor.run_summary import SUMMARY_FILE, action_record, check_records, summary, summary_text
 
 logger = logging.getLogger("verl_stable")
@@ -91,12 +91,11 @@ class GuardActionsMixin:
         if rollback is not None and not stopping:  # a stop on the same step wins
             to_step = int(os.path.basename(rollback.last_good_checkpoint).removeprefix("global_step_"))
             # verl decides "last step" before calling step(): keep it false for the step that is redone instead
-            rule = next(r for r in self._stable_monitor.guard.rules if r.name == rollback.rule)
             self._stable_pending_rollback = (
                 rollback.last_good_checkpoint,
                 to_step,
                 self.total_training_steps,
-                rule.rollback_data == "skip",
+                self._stable_rule(rollback.rule).rollback_data == "skip",
             )
             self.total_training_steps += step - to_step
         if stopping:
@@ -107,10 +106,13 @@ class GuardActionsMixin:
         if verdicts:
             self._stable_persist()
 
+    def _stable_rule(self, name: str) -> Rule:
+        """The guard's rule called ``name`` (a verdict names the rule that fired it)."""
+        return next(r for r in self._stable_monitor.guard.rules if r.name == name)
+
     def _stable_escalate(self, verdict: Verdict) -> str:
         """Apply the firing rule's ``escalate_to`` to the trainer's config; what changed, as one line."""
-        rule = next(r for r in self._stable_monitor.guard.rules if r.name == verdict.rule)
-        changes = escalation.apply(self.config, rule.escalate_to)
+        changes = escalation.apply(self.config, self._stable_rule(verdict.rule).escalate_to)
         detail = f"{escalation.SECTION}: " + ("; ".join(changes) if changes else "no change, already in force")
         logger.warning("verl-stable guard: escalated at step %d, %s", verdict.step, detail)
         return detail

@@ -159,7 +159,7 @@ def summarize_run(rows: Sequence[Mapping]) -> RunSummary:
 
     A guard that rolled the run back logged some steps twice: the rules that fired are read from every row (the
     firing step itself is redone), everything else from the run's trajectory, the rows not :data:`SUPERSEDED`;
-    ``rollbacks`` counts the rows redone.
+    ``steps_redone`` counts the rows superseded.
     """
     fired = sorted({k[len(GUARD_PREFIX) :] for r in rows for k, v in r.items() if k.startswith(GUARD_PREFIX) and v})
     fired = [f for f in fired if f not in GUARD_COUNTERS]

@@ -334,7 +334,9 @@ def run_sweep(
             tracker.set(spec.name, 0, f"{label} (start-up failed: retrying)")
         tracker.set(spec.name, preset.steps, label + (" (cached)" if skipped else f" ({time.monotonic() - t0:.0f}s)"))
         error = None
-        stopped = guard_stop_reason(run_dir) if rc != 0 else None
+        # a run the guard stopped exits non-zero, and one found complete on disk may be such a run (its fewer steps
+        # are its outcome, not a shortfall)
+        stopped = guard_stop_reason(run_dir) if rc != 0 or skipped else None
         if stopped is not None:
             pass  # the acting guard ended the run: its outcome, not an error
         elif rc != 0:
