@@ -95,6 +95,50 @@ def test_print_overrides_checks_and_builds_nothing(tmp_path, no_work, capsys):
     assert not (tmp_path / "w").exists()
 
 
+def test_run_with_the_megatron_actor_composes_on_verls_megatron_trainer(tmp_path, monkeypatch, capsys):
+    argv = ["run", "--workdir", str(tmp_path / "w"), "--actor", "megatron", "--engine", "vllm", "--steps", "1"]
+    monkeypatch.setattr(launch, "ensure_assets", _fail)
+    assert cli.main([*argv, "--print-overrides"]) == 0  # preflight composed them on ppo_megatron_trainer
+    lines = capsys.readouterr().out.splitlines()
+    assert "actor_rollout_ref.actor.megatron.vanilla_mbridge=True" in lines  # the Megatron CPU runtime's settings
+    assert "actor_rollout_ref.model.use_remove_padding=True" in lines  # Megatron trains packed sequences
+    assert not [
+        x
+        for x in lines
+        if x.startswith(("actor_rollout_ref.actor.strategy=", "actor_rollout_ref.model.use_remove_padding=False"))
+    ]
+    assert "actor_rollout_ref.rollout.name=vllm" in lines
+    # the run itself: verl's main_ppo on its Megatron trainer config
+    started: list[list[str]] = []
+    monkeypatch.setattr(launch, "ensure_assets", lambda *a, **k: None)
+    monkeypatch.setattr(
+        launch, "run_main_ppo", lambda ov, *a, **k: started.append(ov) or subprocess.CompletedProcess(ov, 0)
+    )
+    assert cli.main(argv) == 0
+    assert started[0][0] == "--config-name=ppo_megatron_trainer" and started[0][1:] == lines
+
+
+def test_run_refuses_the_fsdp_attention_for_the_megatron_actor(tmp_path, no_work, capsys):
+    err = _refused(["run", "--workdir", str(tmp_path / "w"), "--actor", "megatron", "--attention", "varlen"], capsys)
+    assert "--attention is the FSDP actor's; the Megatron actor runs its own packed attention on CPU" in err
+    err = _refused(["run", "--workdir", str(tmp_path / "w"), "--actor", "tpu"], capsys)
+    assert "argument --actor: invalid choice: 'tpu' (choose from 'fsdp', 'megatron')" in err
+    # a key of the FSDP trainer that verl's Megatron trainer does not have is refused on it
+    err = _refused(
+        [
+            "run",
+            "--workdir",
+            str(tmp_path / "w"),
+            "--actor",
+            "megatron",
+            "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+        ],
+        capsys,
+    )
+    assert "the overrides do not compose on verl's ppo_megatron_trainer" in err
+    assert not (tmp_path / "w").exists()
+
+
 # ------------------------------------------------------------------------------------------------ Ray temp dir
 def test_each_run_gets_its_own_ray_tmpdir(tmp_path, monkeypatch):
     seen: list[dict] = []

@@ -3,7 +3,7 @@
 ``list``, ``path`` and ``command`` read the regime table and the recipe files; ``show`` composes a recipe on verl's
 config with overrides; ``check`` composes, converts to verl's dataclasses and checks the regime, one line per problem
 (exit 1 when there is one); ``run-cpu`` runs a recipe (fsdp or megatron) with verl's trainer on the CPU runtime
-(:func:`verl_stable.toy.launch.run_recipe`). Names, numbers and overrides are checked (syntax, composition,
+(:func:`verl_stable.toy.launch.run_recipe`), the rollout on the ``hf`` backend or (``--engine vllm``) vLLM's CPU build. Names, numbers and overrides are checked (syntax, composition,
 :func:`verl_stable.recipes.preflight`) before anything is composed, built or run; a bad one is answered with exit
 code 2 and a message.
 """
@@ -102,6 +102,7 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
     p.add_argument("name")
     p.add_argument("--workdir", default="./verl_stable_recipe_run")
     p.add_argument("--steps", type=positive_int, default=2)
+    p.add_argument("--engine", default="hf", choices=launch.ENGINES, help="rollout engine (vllm: vLLM's CPU build)")
     p.add_argument("overrides", nargs="*")
     # overrides may follow options (``run-cpu NAME --steps 3 key=value``): argparse leaves those to parse_known_args
     args, extra = parser.parse_known_args(argv)
@@ -126,7 +127,9 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
         return 0
     if args.action == "run-cpu":
         try:
-            rc = launch.run_recipe(regime, args.workdir, args.overrides, steps=args.steps, backend=backend)
+            rc = launch.run_recipe(
+                regime, args.workdir, args.overrides, steps=args.steps, backend=backend, engine=args.engine
+            )
         except ValueError as exc:  # refused by the checks made before anything is built
             parser.error(str(exc))
         run = Path(args.workdir).resolve() / "run"

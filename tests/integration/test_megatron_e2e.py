@@ -1,14 +1,16 @@
 """End to end on CPU: verl's ``main_ppo`` with the **Megatron** actor runs the shipped recipes
-``recipes/megatron/minirl_n4_r3.yaml`` (MiniRL at N = 4, R3 through verl's own Megatron router replay) and
-``recipes/megatron/minirl_n2_r2.yaml`` (N = 2, R2: verl records pi_old's routing in the log-prob pass and replays it
-in both update mini-steps) with the project's ``hf`` rollout, exactly as ``verl-stable recipe run-cpu megatron/<recipe>``
-does. The R2 run (2 steps) is asserted on by the last test.
+``recipes/megatron/minirl_n4_r3.yaml`` (MiniRL at N = 4, R3 through verl's own Megatron router replay) with **vLLM's
+CPU build** as the rollout, and ``recipes/megatron/minirl_n2_r2.yaml`` (N = 2, R2: verl records pi_old's routing in the
+log-prob pass and replays it in both update mini-steps) with the project's ``hf`` rollout, exactly as
+``verl-stable recipe run-cpu megatron/<recipe> [--engine vllm]`` does. One run per recipe (2 steps each), shared by
+the assertions on it.
 
-One run (2 steps, 4 update mini-steps each) shared by every assertion: the run completes; verl's Megatron engine
-replays on the model's MoE layers; the rollout's routing reaches the actor and is replayed exactly (the project's replay
-metrics: every trained response token's routing replayed, used experts equal the rollout's); the weights the actor
-trains reach the rollout each step (the train-inference KL stays at the precision floor on step 2 as on step 1:
-with a stale rollout it would grow); and the monitor reports on Megatron what it reports on FSDP.
+R3 run: the run completes; verl's Megatron engine replays on the model's MoE layers; vLLM's routed experts reach the
+actor through the compact transport and are replayed exactly (the project's replay metrics: every trained response
+token's routing replayed, used experts equal the rollout's); the router's own choice is measured against them (the
+mismatch the replay hides) and a guard rule on it is evaluated; the weights the actor trains reach vLLM each step (the
+train-inference KL stays at the precision floor on step 2 as on step 1: with a stale rollout it would grow); and the
+monitor reports on Megatron what it reports on FSDP.
 """
 
 import json
@@ -23,10 +25,14 @@ STEPS = 2
 STALENESS = 4
 
 
-def _run(tmp_path_factory, recipe: str):
-    """``verl-stable recipe run-cpu megatron/<recipe>``: exit code, log, per-step metrics."""
+# a user's guard rule on the router's own disagreement (a warning; the threshold is out of reach of a fraction)
+ROUTER_RULE = "+stable.guard.rules.router_drift"
+
+
+def _run(tmp_path_factory, recipe: str, engine: str = "hf", overrides: tuple[str, ...] = ()):
+    """``verl-stable recipe run-cpu megatron/<recipe> --engine <engine>``: exit code, log, per-step metrics."""
     workdir = tmp_path_factory.mktemp(recipe)
-    rc = launch.run_recipe(recipe, workdir, steps=STEPS, backend="megatron")
+    rc = launch.run_recipe(recipe, workdir, overrides, steps=STEPS, backend="megatron", engine=engine)
     run = workdir / "run"
     log = (run / "main_ppo.log").read_text()
     rows = launch.read_metrics(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
@@ -35,7 +41,15 @@ def _run(tmp_path_factory, recipe: str):
 
 @pytest.fixture(scope="module")
 def megatron_run(tmp_path_factory):
-    return _run(tmp_path_factory, "minirl_n4_r3")
+    pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (VERL_STABLE_NO_VLLM=1)")
+    rule = (
+        "+verl_stable.routing.share_prompt_rows_min_bytes=0",  # every group shares its prompt rows: the side reads
+        f"{ROUTER_RULE}.condition=above",
+        f"{ROUTER_RULE}.metric=stable/routing/router_disagreement",
+        f"{ROUTER_RULE}.threshold=2.0",
+        f"{ROUTER_RULE}.action=warn",
+    )
+    return _run(tmp_path_factory, "minirl_n4_r3", engine="vllm", overrides=rule)
 
 
 def test_the_megatron_recipe_runs_through_verls_trainer(megatron_run):
@@ -50,7 +64,7 @@ def test_the_megatron_recipe_runs_through_verls_trainer(megatron_run):
 
 def test_the_actors_weights_reach_the_rollout_every_step(megatron_run):
     _, log, rows = megatron_run
-    # bf16 Megatron actor vs fp32 hf rollout of the same weights: a precision floor, the same on both steps
+    # bf16 Megatron actor vs bf16 vLLM serving the weights it was sent: a precision floor, the same on both steps
     for row in rows:
         assert 0.0 <= row["stable/train_inf/kl_k3"] < 1e-3, json.dumps(row)[:2000]
 
@@ -60,6 +74,15 @@ def test_the_rollouts_experts_travel_compact_and_are_replayed_exactly(megatron_r
     for row in rows:
         # the compact transport carried every sample's routing (verl_stable.integration.rollout's manager) ...
         assert row["stable/routing/transport/samples"] > 0 and row["stable/routing/transport/skipped_samples"] == 0
+        # every group's prompt rows travelled once, as a TransferQueue side entry the actor read once per step (its
+        # log-prob pass) and reused in the four update mini-steps
+        assert row["stable/routing/transport/prompt_groups_shared"] > 0
+        assert (
+            row["stable/routing/transport/side_reads"] == 1.0
+            and row["stable/routing/transport/side_reads_per_rank"] == 1.0
+        )
+        assert row["stable/routing/transport/side_read_entries"] == row["stable/routing/transport/prompt_groups_shared"]
+        assert row["stable/routing/transport/side_read_bytes"] > 0
         # ... the Megatron actor expanded it for verl's replay, and every replayed decision used the rollout's experts
         assert row["stable/routing/disagreement"] == 0.0, json.dumps(row)[:3000]
         assert row["stable/routing/disagreement/layer_max"] == 0.0
@@ -68,6 +91,20 @@ def test_the_rollouts_experts_travel_compact_and_are_replayed_exactly(megatron_r
         # never trained), so the guard's replay_coverage rule is quiet
         assert row["stable/routing/coverage/response_replayed"] == 1.0
         assert row["stable/guard/replay_coverage"] == 0.0
+
+
+def test_the_routers_own_choice_is_measured_against_vllms_routing_and_guarded(megatron_run):
+    _, log, rows = megatron_run
+    for row in rows:
+        first, last = (row[f"stable/routing/update_{i}/router_disagreement"] for i in (0, STALENESS - 1))
+        # mini-step 0 trains pi_old's weights: what differs is vLLM's kernels against the bf16 Megatron actor, a few
+        # rows (measured 0.019 and 0.005) ...
+        assert 0.0 <= first < 0.1, json.dumps(row)[:3000]
+        # ... then the update moves the routers while R3 keeps replaying the rollout's experts: their own choice
+        # drifts away from what they replay (measured 0.94 and 0.76 by the fourth mini-step)
+        assert last > first + 0.1
+        assert "stable/routing/r2_drift" not in row  # R3: the targets are the rollout's, not pi_old's
+        assert row["stable/guard/router_drift"] == 0.0  # the user's rule was evaluated on Megatron, and is quiet
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +123,9 @@ def test_the_r2_recipe_replays_pi_olds_recorded_routing_in_both_mini_steps(megat
         assert row["stable/routing/disagreement"] == 0.0, json.dumps(row)[:3000]
         assert row["stable/routing/replayed_rows"] > 0
         assert row["stable/routing/coverage/response_replayed"] == 1.0
+        # the routers' own choice against pi_old's recording: 0 in the first mini-step (pi_old's weights), then drift
+        assert row["stable/routing/update_0/r2_drift"] == 0.0
+        assert 0.0 <= row["stable/routing/r2_drift"] < 0.5
         # pi_theta == pi_old at the first mini-step (same weights, same routing), then the policy moves
         assert row["stable/staleness/update_0/ratio_dev_max"] < 1e-3
         assert row["actor/grad_norm"] > 0

@@ -617,3 +617,50 @@ def test_r2_records_the_native_routing_and_replays_it_after_the_routers_changed(
     # ... and the update replays exactly the recording
     _check_replayed(ranks, tp, "r2_update", recorded, every_row, native_elsewhere=False)
     _check_metrics(ranks, tp, "r2_update", every_row, pads_replayed=True)
+
+
+def expected_router_disagreement(ranks, tp, phase, routes, replayed: Callable[[int, int], bool]) -> list[list[float]]:
+    """Per micro-batch, ``[overall, layer_0, ...]``: the share of replayed token rows holding a routing (distinct ids)
+    whose target is not the expert set the router chose itself (the probe's top-k of the router's own gate)."""
+    views = []
+    for native in router_maps(ranks, tp, phase, 2):
+        per_micro_batch = []
+        for m, rows in enumerate(packed_rows(tp)):
+            compared, differ = [0] * NUM_LAYERS, [0] * NUM_LAYERS
+            for layer in range(1, NUM_LAYERS + 1):
+                for r, where in enumerate(rows):
+                    if where is None or not replayed(*where):
+                        continue
+                    target = routes[where[0]][where[1], layer - 1]
+                    if target.unique().numel() < TOPK:
+                        continue  # a row the rollout did not route: nothing to compare
+                    compared[layer - 1] += 1
+                    differ[layer - 1] += int(not torch.equal(native[m][layer][r], multi_hot(target)))
+            per_layer = [d / max(c, 1) for c, d in zip(compared, differ, strict=True)]
+            per_micro_batch.append([sum(differ) / sum(compared), *per_layer])
+        views.append(per_micro_batch)
+    assert all(view == views[0] for view in views), "the data-parallel ranks routed the same batch differently"
+    return views[0]
+
+
+def test_router_disagreement_is_the_routers_own_choice_against_its_replay_targets(layout):
+    tp, ranks = layout
+    given = padded_batch()["routes"]
+    for phase, routes in (
+        ("r3_forward", token_routes(given)),
+        ("r3_update", token_routes(given)),
+        ("r3_holes", token_routes(with_holes(given))),
+    ):
+        expected = expected_router_disagreement(ranks, tp, phase, routes, replayed_under_r3)
+        assert _metric(ranks, phase, ROUTING + "router_disagreement") == ("mean", [e[0] for e in expected]), phase
+        # random targets: the router would have chosen otherwise on most rows (replay hides a large mismatch)
+        assert min(e[0] for e in expected) > 0.8
+        assert ROUTING + "r2_drift" not in ranks[0]["metrics"][phase]  # R3: no drift since pi_old to speak of
+    # R2: the update replays pi_old's recording; the perturbed routers' own choice against it is the drift
+    expected = expected_router_disagreement(ranks, tp, "r2_update", ranks[0]["recorded"], lambda s, j: True)
+    overall = [e[0] for e in expected]
+    assert _metric(ranks, "r2_update", ROUTING + "router_disagreement") == ("mean", overall)
+    assert _metric(ranks, "r2_update", ROUTING + "r2_drift") == ("mean", overall)
+    for i in range(NUM_LAYERS):
+        assert _metric(ranks, "r2_update", f"{ROUTING}r2_drift/layer_{i}") == ("mean", [e[1 + i] for e in expected])
+    assert min(overall) > 0.5

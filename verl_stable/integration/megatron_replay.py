@@ -16,7 +16,17 @@ Metrics, per micro-batch, under the names the FSDP replay engine uses where the 
 * ``stable/routing/disagreement``: fraction of replayed (row, MoE layer) decisions whose *used* expert set differs
   from the target verl set; 0 under exact replay. ``disagreement/layer_<i>`` per MoE layer (i = MoE-layer ordinal)
   and ``disagreement/layer_max`` their maximum, so a fault confined to one layer is not averaged away.
+* ``stable/routing/router_disagreement``: the same for the experts each router *would* have chosen (its own top-k
+  of the same scores, by verl's routing function), over the replayed rows that hold a routing: the numeric mismatch
+  the replay is hiding (rollout vs training in R3, policy drift since pi_old in R2). Under R2 (update passes) also
+  ``stable/routing/r2_drift`` and ``r2_drift/layer_<i>``, as on FSDP. The router's own choice is read where verl
+  computes it: each router's ``RouterReplay.get_replay_topk`` is wrapped for the pass (an object-scoped patch of
+  the engine's own routers, removed at the end of it) to run verl's ``default_compute_topk`` on the scores once more,
+  without gradient, before the replayed ids replace it.
 * ``stable/routing/compared_rows`` = ``replayed_rows``: the replayed (row, MoE layer) decisions.
+* ``stable/routing/transport/<count>`` for :data:`~verl_stable.transport.side_rows.SIDE_READ_COUNTS` and
+  ``side_reads_per_rank`` (batches carrying the compact transport): the rank's TransferQueue reads of shared prompt
+  rows since its last update mini-step, once per update mini-step, as on FSDP.
 * ``stable/routing/coverage/<count>`` (:data:`~verl_stable.metric_names.COVERAGE_COUNTS`, classes in
   :mod:`verl_stable.routing.replay_pass`): the rows the routers saw by class (response / prompt rows before the
   sample's last trained token, not-needed rows, packing pad), with how many of each took a replayed routing, in
@@ -59,7 +69,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -71,7 +80,9 @@ from verl.utils.py_functional import append_to_dict
 from verl_stable.compat.import_hooks import when_imported
 from verl_stable.integration.engine_keys import hold_engine_key
 from verl_stable.integration.losses import relabel_stable_metrics, stable_metric_aggregation
-from verl_stable.metric_names import COVERAGE, COVERAGE_COUNTS
+from verl_stable.integration.megatron_audit import COVERAGE_WIDTH, PER_LAYER, Audit, NativeChoiceTap
+from verl_stable.metric_names import COVERAGE, COVERAGE_COUNTS, TRANSPORT
+from verl_stable.routing.disagreement import expert_sets_differ
 from verl_stable.routing.families import layout_from_config
 from verl_stable.routing.replay_audit import (
     ROW_PADDING,
@@ -105,56 +116,6 @@ ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
 BASES = {"language_model": "MegatronEngineWithLMHead", "value_model": "MegatronEngineWithValueHead"}
 REPLAY_SUFFIX = "Replay"
 
-# Per micro-batch count vector: [replayed, differ] per MoE layer, then the coverage counts, then three counters.
-_COVERAGE_WIDTH = len(COVERAGE_COUNTS)
-_EXTRA = 3  # router calls measured, calls without a row map (no response_mask), calls whose row map did not fit
-
-
-@dataclass
-class _Audit:
-    """One ``forward_backward_batch``'s measurements: per micro-batch count vectors, and the hooks that fill them.
-
-    Attributes:
-        ordinals: router ``layer_number`` (1-based, global) -> MoE-layer ordinal.
-        device: where the count vectors live (the model's device).
-        counts: micro-batch slot -> count vector (int64).
-        calls: model chunk (``id``) -> ``forward_step`` calls so far: the slot of a chunk's next micro-batch.
-        slot: the micro-batch being forwarded.
-        rows: its token class per router input row (``None``: unknown, no coverage).
-        handles: the router hooks, removed at the end of the pass.
-    """
-
-    ordinals: dict[int, int]
-    device: torch.device
-    counts: dict[int, torch.Tensor] = field(default_factory=dict)
-    calls: dict[int, int] = field(default_factory=dict)
-    slot: int = 0
-    rows: torch.Tensor | None = None
-    handles: list[Any] = field(default_factory=list)
-
-    @property
-    def width(self) -> int:
-        return 2 * len(self.ordinals) + _COVERAGE_WIDTH + _EXTRA
-
-    def begin(self, chunk: Any, rows: torch.Tensor | None) -> None:
-        """The next micro-batch of ``chunk`` is about to be forwarded, its router rows classified as ``rows``."""
-        self.slot = self.calls.get(id(chunk), 0)
-        self.calls[id(chunk)] = self.slot + 1
-        self.rows = rows
-
-    def vector(self) -> torch.Tensor:
-        if self.slot not in self.counts:
-            self.counts[self.slot] = torch.zeros(self.width, dtype=torch.long, device=self.device)
-        return self.counts[self.slot]
-
-    def table(self) -> torch.Tensor:
-        """``[micro-batches, width]``: every slot any chunk forwarded, zeros where this rank measured nothing."""
-        slots = max(self.calls.values(), default=0)
-        table = torch.zeros(slots, self.width, dtype=torch.long, device=self.device)
-        for slot, vector in self.counts.items():
-            table[slot] += vector
-        return table
-
 
 class MegatronReplayMetricsMixin:
     """The replay metrics of the module docstring, for verl's ``MegatronEngineWithLMHead`` (GPU and CPU alike).
@@ -172,28 +133,32 @@ class MegatronReplayMetricsMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._replay_audit: _Audit | None = None
+        self._replay_audit: Audit | None = None
         self._audit_warned: set[str] = set()
         self._compact_layout: Any = None  # the model's RoutingLayout, read from its config on the first compact batch
         self._prompt_rows = SharedRowReader()
 
     # ------------------------------------------------------------------------------------------- passes
-    def _expand_compact(self, data: TensorDict) -> TensorDict:
-        """verl's ``routed_experts`` from the compact transport's fields (the batch unchanged without them)."""
+    def _expand_compact(self, data: TensorDict, forward_only: bool) -> tuple[TensorDict, dict[str, int] | None]:
+        """verl's ``routed_experts`` from the compact transport's fields (the batch unchanged without them), and for
+        an update mini-step the rank's side-entry reads since its last one (``None`` otherwise)."""
         if IDS_FIELD not in data.keys():
-            return data
+            return data, None
         if self._compact_layout is None:
             self._compact_layout = layout_from_config(self.model_config.hf_config)
         expand_compact_routing(data, self._compact_layout, reader=self._prompt_rows)
-        return without_compact_fields(data)  # consumed: verl's micro-batch split need not index them
+        side_reads = None if forward_only else self._prompt_rows.take_counts()
+        return without_compact_fields(data), side_reads  # consumed: verl's micro-batch split need not index them
 
     def forward_backward_batch(self, data: TensorDict, loss_function: Callable, forward_only: bool = False) -> Any:
-        data = self._expand_compact(data)
+        data, side_reads = self._expand_compact(data, forward_only)
         if not self._audit_wanted(data):
-            return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+            output = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+            self._report_side_reads(data, output, side_reads)
+            return output
         if self._replay_audit is not None:
             raise RuntimeError("forward_backward_batch re-entered while a router replay audit is active")
-        audit = _Audit(ordinals=self._moe_ordinals(), device=next(self.module[0].parameters()).device)
+        audit = Audit(ordinals=self._moe_ordinals(), device=next(self.module[0].parameters()).device)
         self._replay_audit = audit
         try:
             self._attach_hooks(audit)
@@ -203,6 +168,7 @@ class MegatronReplayMetricsMixin:
                 handle.remove()
             self._replay_audit = None
         self._report(audit, data, output)
+        self._report_side_reads(data, output, side_reads)
         return output
 
     def forward_step(
@@ -245,7 +211,7 @@ class MegatronReplayMetricsMixin:
         moe_layers = [i for i in range(self.tf_config.num_layers) if is_moe_layer(self.tf_config, i)]
         return {layer + 1: ordinal for ordinal, layer in enumerate(moe_layers)}
 
-    def _attach_hooks(self, audit: _Audit) -> None:
+    def _attach_hooks(self, audit: Audit) -> None:
         """A measuring hook on every replay-enabled router of the decoder (every model chunk of this rank)."""
         from megatron.core.transformer.moe.router import TopKRouter
         from verl.utils.megatron_utils import unwrap_model
@@ -255,8 +221,9 @@ class MegatronReplayMetricsMixin:
             for router in getattr(chunk, "decoder", chunk).modules():
                 if isinstance(router, TopKRouter) and getattr(router, "router_replay", None) is not None:
                     audit.handles.append(router.register_forward_hook(self._router_hook(audit)))
+                    audit.handles.append(NativeChoiceTap(router.router_replay, audit.native))
 
-    def _router_hook(self, audit: _Audit) -> Callable[..., None]:
+    def _router_hook(self, audit: Audit) -> Callable[..., None]:
         from verl.utils.megatron.router_replay_patch import RouterReplayAction
 
         def hook(router: Any, args: Any, output: Any) -> None:
@@ -268,25 +235,31 @@ class MegatronReplayMetricsMixin:
             vector = audit.vector()
             vector[-3] += 1
             mask = replay.target_replay_mask
+            native = audit.native.pop(id(replay), None)
             with torch.no_grad():
                 if replay.target_topk_idx is None:  # verl falls back to the router's own choice
                     covered = torch.zeros(rows, dtype=torch.bool, device=routing_map.device)
                 else:
-                    replayed, differ = used_vs_target(routing_map, replay.target_topk_idx, mask)
-                    ordinal = audit.ordinals[router.layer_number]
-                    vector[2 * ordinal] += replayed
-                    vector[2 * ordinal + 1] += differ
+                    target = replay.target_topk_idx.to(routing_map.device)
+                    replayed, differ = used_vs_target(routing_map, target, mask)
+                    base = PER_LAYER * audit.ordinals[router.layer_number]
+                    vector[base] += replayed
+                    vector[base + 1] += differ
                     # a replayed zero row (a token the rollout did not route) forced expert 0: not covered
-                    covered = rows_with_data(replay.target_topk_idx.to(routing_map.device))
+                    covered = rows_with_data(target)
                     if mask is not None:
                         covered &= mask.to(routing_map.device).bool()
+                    if native is not None and native.shape == target.shape:
+                        own_differs = expert_sets_differ(native.to(torch.long), target.to(torch.long)) & covered
+                        vector[base + 2] += covered.sum()
+                        vector[base + 3] += own_differs.sum()
                 if audit.rows is None:
                     vector[-2] += 1
                 elif audit.rows.shape[0] != rows:
                     vector[-1] += 1
                 else:
-                    start = 2 * len(audit.ordinals)
-                    vector[start : start + _COVERAGE_WIDTH] += coverage_row_counts(audit.rows, covered)
+                    start = PER_LAYER * len(audit.ordinals)
+                    vector[start : start + COVERAGE_WIDTH] += coverage_row_counts(audit.rows, covered)
 
         return hook
 
@@ -340,7 +313,7 @@ class MegatronReplayMetricsMixin:
             dist.all_reduce(table, op=dist.ReduceOp.SUM, group=group)
         return table
 
-    def _report(self, audit: _Audit, data: TensorDict, output: Any) -> None:
+    def _report(self, audit: Audit, data: TensorDict, output: Any) -> None:
         """Attach the micro-batches' metrics to verl's output (the ranks that return metrics)."""
         table = self._reduce(audit.table()).cpu()
         if not isinstance(output, dict) or "metrics" not in output:
@@ -351,10 +324,18 @@ class MegatronReplayMetricsMixin:
             measured, unknown, unfitted = counts[-3:]
             if measured == 0:
                 continue  # no router replayed in this micro-batch (R2 recording)
-            replayed, differ = counts[0 : 2 * layers : 2], counts[1 : 2 * layers : 2]
+            per_layer = counts[: PER_LAYER * layers]
+            replayed, differ = per_layer[0::PER_LAYER], per_layer[1::PER_LAYER]
+            with_data, own_differs = per_layer[2::PER_LAYER], per_layer[3::PER_LAYER]
             values: dict[str, Any] = dict(disagreement_metrics(replayed, differ))
             values["compared_rows"] = float(sum(replayed))
             values["replayed_rows"] = float(sum(replayed))
+            if sum(with_data):
+                values["router_disagreement"] = sum(own_differs) / sum(with_data)
+                if self.engine_config.router_replay.mode == "R2":  # only update passes replay under R2
+                    values["r2_drift"] = values["router_disagreement"]
+                    for i, (n, d) in enumerate(zip(with_data, own_differs, strict=True)):
+                        values[f"r2_drift/layer_{i}"] = d / max(n, 1)
             metrics = {
                 METRIC_PREFIX + key: Metric(aggregation=stable_metric_aggregation(METRIC_PREFIX + key), value=value)
                 for key, value in values.items()
@@ -366,13 +347,27 @@ class MegatronReplayMetricsMixin:
                     "(verl's packing changed?)",
                 )
             elif not unknown:
-                coverage = counts[2 * layers : 2 * layers + _COVERAGE_WIDTH]
+                coverage = counts[PER_LAYER * layers : PER_LAYER * layers + COVERAGE_WIDTH]
                 for name, count in zip(COVERAGE_COUNTS, coverage, strict=True):
                     # a SUM metric is averaged over dp ranks by verl's aggregate_dp: times dp_size is the sum
                     metrics[f"{COVERAGE}/{name}"] = Metric(
                         aggregation=AggregationType.SUM, value=float(count * dp_size)
                     )
             append_to_dict(output["metrics"], metrics)
+
+    def _report_side_reads(self, data: TensorDict, output: Any, side_reads: dict[str, int] | None) -> None:
+        """The update mini-step's side-entry read counts, once per mini-step, as on FSDP (the module docstring)."""
+        if side_reads is None or not isinstance(output, dict) or "metrics" not in output:
+            return
+        dp_size = int(tu.get_non_tensor_data(data=data, key="dp_size", default=1) or 1)
+        metrics = {
+            TRANSPORT + name: Metric(aggregation=AggregationType.SUM, value=float(count * dp_size))
+            for name, count in side_reads.items()
+        }
+        metrics[f"{TRANSPORT}side_reads_per_rank"] = Metric(
+            aggregation=AggregationType.SUM, value=float(side_reads["side_reads"])
+        )
+        append_to_dict(output["metrics"], metrics)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._audit_warned:

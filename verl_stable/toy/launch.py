@@ -287,16 +287,28 @@ def regime_overrides(
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": mini_batch_prompts * group_size,
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": mini_batch_prompts * group_size,
     }
-    kept = []
-    for item in runtime:
-        key = item.split("=", 1)[0].lstrip("+~")
-        if backend == "megatron" and key in FSDP_ONLY_KEYS:
-            continue  # the recipe's ppo_megatron_trainer chooses the strategy; Megatron trains packed
-        if key in forced or (key not in own and key not in geometry):
-            kept.append(item)
-    if backend == "megatron":
-        kept += megatron_options.overrides()
-    return kept + [f"{k}={v}" for k, v in geometry.items()]
+    kept = [
+        item
+        for item in runtime
+        if (key := item.split("=", 1)[0].lstrip("+~")) in forced or (key not in own and key not in geometry)
+    ]
+    return for_actor(kept, backend) + [f"{k}={v}" for k, v in geometry.items()]
+
+
+def for_actor(overrides: Sequence[str], backend: str) -> list[str]:
+    """:func:`cpu_overrides` (written for the FSDP actor) for the actor ``backend``: ``fsdp`` unchanged; ``megatron``
+    without the FSDP strategy and padded batches (verl's ``ppo_megatron_trainer`` chooses the strategy; Megatron trains
+    packed), plus the Megatron CPU runtime's overrides (:func:`verl_stable.cpu.megatron.options.overrides`).
+
+    Raises:
+        ValueError: an unknown backend.
+    """
+    if backend not in CPU_BACKENDS:
+        raise ValueError(f"backend must be one of {CPU_BACKENDS} on the CPU runtime, got {backend!r}")
+    if backend == "fsdp":
+        return list(overrides)
+    kept = [item for item in overrides if item.split("=", 1)[0].lstrip("+~") not in FSDP_ONLY_KEYS]
+    return kept + megatron_options.overrides()
 
 
 def run_recipe(
@@ -307,10 +319,13 @@ def run_recipe(
     steps: int = 2,
     task: str = "copy",
     backend: str = "fsdp",
+    engine: str = "hf",
 ) -> int:
     """Run ``recipes/<backend>/<regime>.yaml`` with verl's ``main_ppo`` on the CPU runtime (tiny MoE, toy task).
 
-    ``backend`` is ``fsdp`` or ``megatron`` (verl's Megatron engine under the Megatron CPU runtime).
+    ``backend`` is ``fsdp`` or ``megatron`` (verl's Megatron engine under the Megatron CPU runtime); ``engine`` the
+    rollout, ``hf`` (the project's backend) or ``vllm`` (verl's vLLM rollout on vLLM's CPU build at verl's rollout dtype; the
+    assets of :func:`asset_spec`).
 
     The arguments are checked first (:func:`verl_stable.recipes.preflight`); then the tiny assets are built under
     ``workdir/assets`` if missing; the log is ``workdir/run/main_ppo.log`` and the per-step metrics
@@ -331,10 +346,10 @@ def run_recipe(
         raise ValueError(f"unknown task {task!r}; expected one of {tasks.TASKS}")
     workdir = recipes.check_output_dir(resolve_path(workdir, "workdir"), "workdir")
     path = recipes.recipe_path(backend, regime)
-    ov = regime_overrides(regime, asset_paths(workdir / "assets"), steps=steps, backend=backend)
+    ov = regime_overrides(regime, asset_paths(workdir / "assets"), steps=steps, backend=backend, engine=engine)
     ov += [f"trainer.default_local_dir={workdir / 'checkpoints'}", *overrides]
     recipes.preflight(ov, recipe=path, backend=backend)
-    ensure_assets(workdir / "assets", AssetSpec(task=task))
+    ensure_assets(workdir / "assets", asset_spec(engine, task))
     args = [f"--config-path={path.parent}", f"--config-name={path.stem}", *ov]
     proc = run_main_ppo(args, workdir / "run")
     return proc.returncode
@@ -355,6 +370,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--task", default="copy", choices=tasks.TASKS)
     parser.add_argument("--steps", type=positive_int, default=3)
     parser.add_argument("--engine", default="hf", choices=ENGINES, help="rollout engine (vllm: vLLM's CPU build)")
+    parser.add_argument(
+        "--actor",
+        default="fsdp",
+        choices=CPU_BACKENDS,
+        help="actor engine: fsdp, or megatron (verl's Megatron engine, ppo_megatron_trainer, on the Megatron CPU runtime)",
+    )
     parser.add_argument("--precision", default=None, choices=PRECISIONS, help="rollout precision (vllm: fp32, bf16)")
     parser.add_argument("--no-sync", action="store_true", help="skip weight sync to the hf rollout (drift check)")
     parser.add_argument(
@@ -385,16 +406,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except ValueError as exc:
         parser.error(str(exc))
+    if args.actor == "megatron" and args.attention != "sdpa":
+        parser.error("--attention is the FSDP actor's; the Megatron actor runs its own packed attention on CPU")
+    ov = for_actor(ov, args.actor)
     ov += [f"trainer.default_local_dir={workdir / 'checkpoints'}", *args.overrides]
     try:
-        recipes.preflight(ov)
+        recipes.preflight(ov, backend=args.actor)
     except ValueError as exc:
         parser.error(str(exc))
     if args.print_overrides:
         print("\n".join(ov))
         return 0
     ensure_assets(workdir / "assets", asset_spec(args.engine, args.task))
-    proc = run_main_ppo(ov, workdir, poll_interval_s=args.poll_interval)
+    config = [f"--config-name={recipes.BACKENDS[args.actor]}"] if args.actor != "fsdp" else []
+    proc = run_main_ppo([*config, *ov], workdir, poll_interval_s=args.poll_interval)
     print(f"main_ppo exited {proc.returncode}; log: {workdir / 'main_ppo.log'}; metrics: {workdir / 'metrics.jsonl'}")
     return proc.returncode
 
