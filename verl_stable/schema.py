@@ -142,6 +142,9 @@ class HFEngineOptions(_Strict):
         max_batch_size: concurrent requests sampled as one batch (1: one at a time).
         corrupt_routing_every: FAULT INJECTION for tests: every k-th request's routing is malformed (0: off).
         router_noise: sigma of the fixed inference-only router perturbation, relative to the weight's rms (0: off).
+        nan_logprobs_at_versions: FAULT INJECTION for tests: the weight versions (verl's ``global_steps`` of the last
+            weight sync; version ``k - 1`` serves step ``k`` of verl's sync trainer) at which every returned log-prob
+            is NaN, as a broken inference kernel would return them (empty: off).
     """
 
     precision: Name | None = None
@@ -150,6 +153,7 @@ class HFEngineOptions(_Strict):
     max_batch_size: Annotated[int, Field(ge=1, le=1 << 20)] = 64
     corrupt_routing_every: NonNegativeInt = 0
     router_noise: FiniteNonNegative = 0.0
+    nan_logprobs_at_versions: Annotated[tuple[NonNegativeInt, ...], BeforeValidator(_as_tuple)] = ()
 
 
 class VllmEngineOptions(_Strict):

@@ -135,6 +135,34 @@ def hf_rollout_server_methods():
     return sorted(server_methods_called())
 
 
+def test_the_nan_logprob_fault_hits_only_the_listed_weight_versions(cpu_assets):
+    server = _server(cpu_assets, engine_kwargs={"hf": {"nan_logprobs_at_versions": [1, 3]}})
+    prompt = [3, 7, 5, 9, 20, 4, 5, 3, 8, 5]
+    params = dict(temperature=1.0, top_p=1.0, top_k=-1, repetition_penalty=1.0, logprobs=True, seed=0)
+    served = {}
+    for version in range(4):
+        asyncio.run(server.set_global_steps(version))
+        served[version] = asyncio.run(server.generate(prompt_ids=prompt, sampling_params=dict(params), request_id="r"))
+    for version, out in served.items():
+        nan = torch.tensor(out.log_probs).isnan()
+        assert bool(nan.all()) if version in (1, 3) else not bool(nan.any()), (version, out.log_probs)
+    # the tokens are sampled as usual: the same seed gives the same tokens at every version
+    assert len({tuple(out.token_ids) for out in served.values()}) == 1
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ([-1], r"nan_logprobs_at_versions\.0 must be >= 0"),
+        ("1", r"nan_logprobs_at_versions must be a list, got str"),
+        ([1.5], r"nan_logprobs_at_versions\.0 must be an int, got float"),
+    ],
+)
+def test_the_nan_logprob_fault_refuses_what_is_not_a_list_of_versions(value, match):
+    with pytest.raises(ValueError, match=match):
+        hf_rollout.resolve_options({"engine_kwargs": {"hf": {"nan_logprobs_at_versions": value}}})
+
+
 def test_server_bad_input(cpu_assets):
     server = _server(cpu_assets)
     with pytest.raises(ValueError, match="leaves no room"):

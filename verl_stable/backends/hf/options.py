@@ -16,6 +16,9 @@ Fault injection, for tests only: ``corrupt_routing_every`` (default 0, off) make
 routing malformed (expert ids out of range, see :func:`verl_stable.backends.hf.routing.corrupt_routing_payload`), as
 an engine that silently loses routing would; the rollout boundary then refuses it, or skips that sample's routing
 under ``+verl_stable.routing.on_invalid=skip_sample``, and replay falls back to the model's own routing there.
+``nan_logprobs_at_versions`` (default empty, off) makes every log-prob the server returns NaN while its weights are
+at one of the listed versions (verl's ``global_steps`` of the last weight sync: version ``k - 1`` serves step ``k`` of
+verl's sync trainer), as a broken inference kernel would; the tokens are sampled as usual.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class HFOptions:
     max_batch_size: int = 64
     corrupt_routing_every: int = 0  # FAULT INJECTION for tests: every k-th request returns malformed routing
     router_noise: float = 0.0  # inference-only router perturbation (sigma relative to the router weight's rms)
+    nan_logprobs_at_versions: tuple[int, ...] = ()  # FAULT INJECTION for tests: NaN log-probs at these versions
 
 
 def resolve_options(config: Any) -> HFOptions:
@@ -78,6 +82,7 @@ def resolve_options(config: Any) -> HFOptions:
         options.max_batch_size,
         corrupt_routing_every=options.corrupt_routing_every,
         router_noise=float(options.router_noise),
+        nan_logprobs_at_versions=options.nan_logprobs_at_versions,
     )
 
 

@@ -13,6 +13,7 @@ on a server (nothing to free on CPU).
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from typing import Any
 
@@ -130,9 +131,12 @@ class HFRolloutServer:
         await self._gate.wait()
         gen = await self.batcher.submit((prompt_ids, spec))
         want_logprobs = bool(sampling_params.get("logprobs", False))
+        log_probs = gen.log_probs
+        if want_logprobs and self.global_steps in self.options.nan_logprobs_at_versions:  # fault injection: tests
+            log_probs = [math.nan] * len(gen.log_probs)
         return TokenOutput(
             token_ids=gen.token_ids,
-            log_probs=gen.log_probs if want_logprobs else None,
+            log_probs=log_probs if want_logprobs else None,
             routed_experts=gen.routing,
             stop_reason="completed",
             num_preempted=0,
