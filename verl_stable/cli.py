@@ -114,9 +114,9 @@ def _check_cpu_runtime(out: Callable[[str], None]) -> list[str]:
 
 
 def _check_catalogue(out: Callable[[str], None]) -> list[str]:
-    from verl_stable.compat import catalogue
+    from verl_stable.compat import catalogue_check
 
-    results = catalogue.check()
+    results = catalogue_check.check()
     broken = [r for r in results if not r.ok]
     out(f"  third-party patches and overridden private methods (compat catalogue): {len(results) - len(broken)} ok")
     for result in broken:

@@ -9,6 +9,7 @@ import pytest
 
 import verl_stable
 from verl_stable.compat import catalogue as C
+from verl_stable.compat import catalogue_check as K
 
 PACKAGE = Path(verl_stable.__file__).parent
 MARKER = re.compile(r"^\s*# patch: (\w+) \(verl_stable\.compat\.catalogue\)$", re.M)
@@ -74,7 +75,7 @@ def test_every_catalogued_override_is_defined_by_its_owner():
 
 
 def test_the_installed_packages_meet_the_catalogue():
-    results = C.check()
+    results = K.check()
     assert len(results) == len(C.PATCHES) + len(C.OVERRIDES)
     assert [r for r in results if not r.ok] == []
 
@@ -85,7 +86,7 @@ def test_a_changed_signature_or_a_missing_target_is_reported_by_name(monkeypatch
     gone = C.Patch("gone", "verl.trainer.ppo.v1.trainer_base.PPOTrainer._no_such_method", "process", "m", "w", "r")
     monkeypatch.setattr(C, "OVERRIDES", (resigned,))
     monkeypatch.setattr(C, "PATCHES", (gone,))
-    by_name = {r.name: r for r in C.check()}
+    by_name = {r.name: r for r in K.check()}
     assert not by_name["patch:gone"].ok and "_no_such_method" in by_name["patch:gone"].detail
     bad = by_name[f"override:{override.method}"]
     assert not bad.ok and "now takes" in bad.detail and "extra" in bad.detail
@@ -95,12 +96,12 @@ def test_an_uninstalled_requirement_is_not_checked(monkeypatch):
     patch = C.Patch("absent", "no_such_package.thing", "process", "m", "w", "r", requires="no-such-distribution")
     monkeypatch.setattr(C, "PATCHES", (patch,))
     monkeypatch.setattr(C, "OVERRIDES", ())
-    (result,) = C.check()
+    (result,) = K.check()
     assert result.ok and "not installed" in result.detail
 
 
 def test_resolve_names_what_is_missing():
     with pytest.raises(AttributeError):
-        C.resolve("verl.workers.engine.base.EngineRegistry.no_such")
+        K.resolve("verl.workers.engine.base.EngineRegistry.no_such")
     with pytest.raises(ImportError):
-        C.resolve("no_such_top_level_package.x")
+        K.resolve("no_such_top_level_package.x")

