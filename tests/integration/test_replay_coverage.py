@@ -21,7 +21,8 @@ from verl.workers.config import EngineRouterReplayConfig, FSDPEngineConfig
 
 from verl_stable.integration import fsdp_engine as fe
 from verl_stable.monitor.routing_metrics import COVERAGE, COVERAGE_COUNTS, replay_coverage_metrics
-from verl_stable.monitor.step import StableConfig, StepMonitor, coverage_totals
+from verl_stable.monitor.step import StableConfig, StepMonitor
+from verl_stable.monitor.update_metrics import coverage_totals
 from verl_stable.routing.replay_pass import RouterReplayError, coverage_counts, token_roles
 
 M = len(MOE_LAYERS)

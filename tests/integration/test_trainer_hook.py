@@ -20,6 +20,8 @@ from verl.workers.utils.padding import response_to_nested
 from verl_stable.integration import trainer as T
 from verl_stable.integration.guard_actions import GuardActionsMixin
 from verl_stable.monitor import checkpoints as CK
+from verl_stable.monitor import step as S
+from verl_stable.monitor import update_metrics as U
 from verl_stable.monitor.guard import GuardTripped
 
 CONFIG_DIR = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
@@ -67,37 +69,37 @@ def test_monitored_trainer_behaves_as_its_base_mode(sync_trainer):
 
 def test_stable_config_from_yaml_shape_and_errors():
     cfg = _config("+stable.monitor.taus=[2,3]", "+stable.guard.enable=false")
-    parsed = T.StableConfig.from_trainer_config(cfg)
+    parsed = S.StableConfig.from_trainer_config(cfg)
     assert parsed.monitor.taus == (2.0, 3.0) and parsed.guard_enable is False
-    assert T.StableConfig.from_trainer_config(_config()) == T.StableConfig()
+    assert S.StableConfig.from_trainer_config(_config()) == S.StableConfig()
     with pytest.raises(ValueError, match=r"stable\.gaurd: unknown key \(known: guard, monitor\)"):
-        T.StableConfig.from_dict({"gaurd": {}})
+        S.StableConfig.from_dict({"gaurd": {}})
     with pytest.raises(ValueError, match="stable.monitor"):
-        T.StableConfig.from_dict({"monitor": {"tau": [2]}})
+        S.StableConfig.from_dict({"monitor": {"tau": [2]}})
     with pytest.raises(ValueError, match="action must be one of"):  # a guard typo fails at startup
-        T.StableConfig.from_dict({"guard": {"rules": {"non_finite": {"action": "explode"}}}})
+        S.StableConfig.from_dict({"guard": {"rules": {"non_finite": {"action": "explode"}}}})
 
 
 @pytest.mark.parametrize("value", ["false", "true", 0, 1, None])
 def test_stable_guard_enable_must_be_a_bool(value):
     # bool("false") is True: a quoted YAML value or a string override must be refused, not read as "on"
     with pytest.raises(TypeError, match=r"stable\.guard\.enable must be a bool \(true/false\), got"):
-        T.StableConfig.from_dict({"guard": {"enable": value}})
+        S.StableConfig.from_dict({"guard": {"enable": value}})
 
 
 def test_stable_guard_enable_false_disables_the_guard_and_keeps_validating_the_rules():
-    parsed = T.StableConfig.from_dict({"guard": {"enable": False, "rules": {"train_inference_kl": {"threshold": 1}}}})
+    parsed = S.StableConfig.from_dict({"guard": {"enable": False, "rules": {"train_inference_kl": {"threshold": 1}}}})
     assert parsed.guard_enable is False and "enable" not in parsed.guard
-    assert T.StepMonitor(parsed).guard is None
-    assert T.StableConfig.from_dict({"guard": {"enable": True}}).guard_enable is True
+    assert S.StepMonitor(parsed).guard is None
+    assert S.StableConfig.from_dict({"guard": {"enable": True}}).guard_enable is True
     with pytest.raises(ValueError, match="action must be one of"):
-        T.StableConfig.from_dict({"guard": {"enable": False, "rules": {"non_finite": {"action": "explode"}}}})
+        S.StableConfig.from_dict({"guard": {"enable": False, "rules": {"non_finite": {"action": "explode"}}}})
 
 
 @pytest.mark.parametrize("key", ["enable", "per_update"])
 def test_stable_monitor_switches_must_be_bools(key):
     with pytest.raises(TypeError, match=rf"stable\.monitor\.{key} must be a bool"):
-        T.StableConfig.from_dict({"monitor": {key: "false"}})
+        S.StableConfig.from_dict({"monitor": {key: "false"}})
 
 
 def test_bad_stable_config_fails_when_the_trainer_is_built(registered):
@@ -156,20 +158,20 @@ ROWS = [
 
 
 def test_monitor_batch_from_transfer_queue_layout():
-    batch = T.MonitorBatch.from_tensordict(_tq_answer(ROWS), keep_rows=[True, True, False])
+    batch = S.MonitorBatch.from_tensordict(_tq_answer(ROWS), keep_rows=[True, True, False])
     assert batch.tokens["old_log_probs"].shape == (2, 3)
     assert batch.tokens["response_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert [tuple(r.shape) for r in batch.rollout_routing] == [(5, 2, 2), (2, 2, 2)]
     assert batch.train_routing is None
     with pytest.raises(ValueError, match="keep_rows"):
-        T.MonitorBatch.from_tensordict(_tq_answer(ROWS), keep_rows=[True, False])
+        S.MonitorBatch.from_tensordict(_tq_answer(ROWS), keep_rows=[True, False])
     with pytest.raises(ValueError, match="response_mask"):
-        T.MonitorBatch.from_tensordict(_tq_answer(ROWS).exclude("response_mask"))
+        S.MonitorBatch.from_tensordict(_tq_answer(ROWS).exclude("response_mask"))
 
 
 def test_step_monitor_logs_stable_metrics_by_hand():
-    monitor = T.StepMonitor(T.StableConfig.from_dict({"monitor": {"num_experts": 4}}))
-    batch = T.MonitorBatch.from_tensordict(_tq_answer(ROWS), keep_rows=np.array([True, True, False]))
+    monitor = S.StepMonitor(S.StableConfig.from_dict({"monitor": {"num_experts": 4}}))
+    batch = S.MonitorBatch.from_tensordict(_tq_answer(ROWS), keep_rows=np.array([True, True, False]))
     metrics = {"actor/pg_loss": 0.1, "actor/grad_norm": 1.0, "actor/stable/staleness/ratio_max": 1.3}
     verdicts = monitor.step(1, batch, metrics)
     assert [(v.rule, v.step) for v in verdicts] == [("train_inference_kl", 1)]  # k3 = 0.18 > 0.01
@@ -189,12 +191,12 @@ def test_step_monitor_logs_stable_metrics_by_hand():
 
 
 def test_step_monitor_entropy_slope_and_guard_verdicts():
-    monitor = T.StepMonitor(T.StableConfig.from_dict({"guard": {"rules": {"entropy_collapse": {"window": 3}}}}))
+    monitor = S.StepMonitor(S.StableConfig.from_dict({"guard": {"rules": {"entropy_collapse": {"window": 3}}}}))
     seen = []
     for step, ent in enumerate([0.4, 0.3, 0.2, 0.1], start=1):
         rows = [dict(r, ent=[ent] * len(r["ent"]), mu=r["old"]) for r in ROWS[:2]]  # on-policy: KL = 0
         metrics = {"actor/grad_norm": 1.0}
-        verdicts = monitor.step(step, T.MonitorBatch.from_tensordict(_tq_answer(rows, with_routing=False)), metrics)
+        verdicts = monitor.step(step, S.MonitorBatch.from_tensordict(_tq_answer(rows, with_routing=False)), metrics)
         seen.append((metrics.get("stable/entropy/slope"), [v.rule for v in verdicts]))
     assert seen[0] == (None, [])
     assert seen[1][0] == pytest.approx(-0.1)
@@ -212,9 +214,9 @@ def test_routing_disagreement_uses_the_routing_issue_function():
         {"response_mask": m, "trained_experts": t} for m, t in zip(td["response_mask"].unbind(0), train, strict=True)
     ]
     td["trained_experts"] = list_of_dict_to_tensordict(fields)["trained_experts"]
-    monitor = T.StepMonitor(T.StableConfig.from_dict({"monitor": {"train_routing_field": "trained_experts"}}))
+    monitor = S.StepMonitor(S.StableConfig.from_dict({"monitor": {"train_routing_field": "trained_experts"}}))
     metrics = {}
-    monitor.step(1, T.MonitorBatch.from_tensordict(td, train_routing_field="trained_experts"), metrics)
+    monitor.step(1, S.MonitorBatch.from_tensordict(td, train_routing_field="trained_experts"), metrics)
     # 6 token rows with data, one MoE layer (the dense layer 0 is dropped): 1 of 6 decisions differs
     assert metrics["stable/routing/rollout_vs_train/layer_0"] == pytest.approx(1 / 6)
     assert metrics["stable/routing/rollout_vs_train/overall"] == pytest.approx(1 / 6)
@@ -292,7 +294,7 @@ def test_per_update_metrics_split_verls_per_mini_step_lists():
         "actor/pg_loss": [1.0, 2.0, 3.0],
         "actor/stable/staleness/ratio_mean": 1.0,  # not a list: nothing to split
     }
-    out, count = T.per_update_metrics(raw, first_update=2)
+    out, count = U.per_update_metrics(raw, first_update=2)
     assert count == 3
     assert out == {
         "stable/staleness/update_2/ratio_dev_max": 0.0,
@@ -305,11 +307,11 @@ def test_per_update_metrics_split_verls_per_mini_step_lists():
         "stable/routing/update_3/r2_drift": 0.05,
         "stable/routing/update_4/r2_drift": 0.125,
     }
-    assert T.per_update_metrics({"actor/pg_loss": [1.0]}) == ({}, 0)
+    assert U.per_update_metrics({"actor/pg_loss": [1.0]}) == ({}, 0)
     with pytest.raises(ValueError, match="disagree on the number of mini-steps"):
-        T.per_update_metrics({"stable/routing/r2_drift": [0.0], "actor/stable/staleness/kl_k3": [0.0, 1.0]})
+        U.per_update_metrics({"stable/routing/r2_drift": [0.0], "actor/stable/staleness/kl_k3": [0.0, 1.0]})
     with pytest.raises(ValueError, match="not a number"):
-        T.per_update_metrics({"stable/routing/r2_drift": [[0.0, 1.0]]})
+        U.per_update_metrics({"stable/routing/r2_drift": [[0.0, 1.0]]})
 
 
 class _ActorWorkerGroup:

@@ -27,7 +27,7 @@ logged, the training loop ends at its loop condition (no further step, no furthe
 and ``fit`` raises :class:`~verl_stable.monitor.guard.GuardTripped` -- so ``TaskRunnerV1.run`` closes tracking with
 exit code 1 and TransferQueue, and ``main_ppo`` exits non-zero with the verdict as the error message.
 ``PPOTrainer._update_actor`` is tapped for verl's unreduced per-mini-step metrics
-(:func:`~verl_stable.monitor.step.per_update_metrics`).
+(:func:`~verl_stable.monitor.update_metrics.per_update_metrics`).
 
 What each verdict does (stop, roll back, escalate, the records and the run summary) is
 :mod:`verl_stable.integration.guard_actions`, a base of the mixin. A ``rollback`` verdict is carried out at the start
@@ -49,31 +49,16 @@ from verl_stable.compat.import_hooks import when_imported
 from verl_stable.integration.guard_actions import GuardActionsMixin
 from verl_stable.monitor.guard import GuardTripped, Verdict
 from verl_stable.monitor.step import (
-    CONFIG_KEY,
-    PER_UPDATE_METRICS,
     ROLLOUT_ROUTING_FIELD,
     TOKEN_FIELDS,
     MonitorBatch,
-    MonitorConfig,
     StableConfig,
     StepMonitor,
-    coverage_totals,
-    per_update_metrics,
 )
+from verl_stable.monitor.update_metrics import coverage_totals, per_update_metrics
 
 __all__ = [
-    # the per-step computation, importable from here as before the split
-    "CONFIG_KEY",
-    "PER_UPDATE_METRICS",
-    "ROLLOUT_ROUTING_FIELD",
-    "TOKEN_FIELDS",
-    "MonitorBatch",
-    "MonitorConfig",
-    "StableConfig",
-    "StepMonitor",
-    "coverage_totals",
-    "per_update_metrics",
-    # the trainer side (the registered classes are module attributes too, built on first access)
+    # the registered classes are module attributes too, built on first access
     "BASE_TRAINERS",
     "CLASS_NAMES",
     "V1_MODULE",

@@ -3,8 +3,8 @@
 This module owns the per-step computation behind the monitored trainers (:mod:`verl_stable.integration.trainer`,
 which feeds it from verl's ``PPOTrainer`` hooks): parsing the ``stable`` block (:class:`StableConfig`), the step's
 batch as TransferQueue returns it (:class:`MonitorBatch`), the ``stable/`` metrics of :mod:`verl_stable.monitor.metrics`
-with the guard's verdicts and the cross-step state (:class:`StepMonitor`), and the split of verl's unreduced update
-output into one value per update mini-step (:func:`per_update_metrics`). Nothing here imports verl.
+with the guard's verdicts and the cross-step state (:class:`StepMonitor`). The split of verl's unreduced update
+output into one value per update mini-step is :mod:`verl_stable.monitor.update_metrics`. Nothing here imports verl.
 
 Configuration is a top-level ``stable`` key of the hydra config (verl's config dataclasses are frozen, the root is
 not): in a recipe YAML next to ``defaults: [ppo_trainer, _self_]``, or ``+stable.guard.rules.train_inference_kl
@@ -15,26 +15,28 @@ not): in a recipe YAML next to ``defaults: [ppo_trainer, _self_]``, or ``+stable
                 num_experts: null, train_routing_field: null, per_update: true}
       guard:   {enable: true, rules: {...}}        # see Guard.from_config
 
-Metrics from inside the update. Staleness (pi_theta / pi_old) exists only inside the actor's mini-steps: the
-``minirl`` / ``vespo`` losses return it (:mod:`verl_stable.integration.losses`) and the replay engine returns its
-routing metrics (:mod:`verl_stable.integration.fsdp_engine`); verl logs both as ``actor/stable/...``, reduced over
-the step's update mini-steps by verl's ``reduce_metrics`` (max for keys containing ``max``, min for ``min``, else
-mean). :meth:`StepMonitor.step` *moves* every ``actor/stable/...`` key to ``stable/...`` (one name per quantity: all
-of ours live under ``stable/``, and a guard rule or dashboard never has to know which process computed a metric).
-The trainer also taps verl's unreduced update output (one value per mini-step, see :func:`per_update_metrics`) and
-logs, for the metrics of :data:`PER_UPDATE_METRICS`, ``stable/<group>/update_<i>/<name>`` for the i-th update
-mini-step of the logged step (counted over ``ppo_epochs`` and, in the async modes, over the ``parameter_sync_step``
-local updates). ``update_0`` of an on-policy step runs on the weights that computed pi_old, so its staleness is ~0
-and its R2 drift 0; later updates show how far the policy and its routing moved. (``update`` rather than
-``mini_step``: verl reduces metrics by substring, and ``mini_step`` contains ``min``.)
+Metrics from inside the update. Staleness (pi_theta / pi_old) exists only inside the actor's mini-steps: the ``minirl``
+/ ``vespo`` losses return it (:mod:`verl_stable.integration.losses`) and the replay engine returns its routing metrics
+(:mod:`verl_stable.integration.fsdp_engine`); verl logs both as ``actor/stable/...``, reduced over the step's update
+mini-steps by verl's ``reduce_metrics`` (max for keys containing ``max``, min for ``min``, else mean).
+:meth:`StepMonitor.step` *moves* every ``actor/stable/...`` key to ``stable/...`` (one name per quantity: all of ours
+live under ``stable/``, and a guard rule or dashboard never has to know which process computed a metric). The trainer
+also taps verl's unreduced update output (one value per mini-step, see
+:func:`~verl_stable.monitor.update_metrics.per_update_metrics`) and logs, for the metrics of
+:data:`~verl_stable.monitor.update_metrics.PER_UPDATE_METRICS`, ``stable/<group>/update_<i>/<name>`` for the i-th
+update mini-step of the logged step (counted over ``ppo_epochs`` and, in the async modes, over the
+``parameter_sync_step`` local updates). ``update_0`` of an on-policy step runs on the weights that computed pi_old, so
+its staleness is ~0 and its R2 drift 0; later updates show how far the policy and its routing moved. (``update`` rather
+than ``mini_step``: verl reduces metrics by substring, and ``mini_step`` contains ``min``.)
 
 Replay coverage. Under R2 / R3 the replay engine returns row counts per update mini-step, already summed over
-micro-batches and data-parallel ranks; verl's ``reduce_metrics`` would average them over mini-steps. The trainer
-sums them instead (:func:`coverage_totals` on the same unreduced output, added up over the local updates of a
-step) and :meth:`StepMonitor.step` logs those totals as ``stable/routing/coverage/<count>`` and the fractions of
-:func:`verl_stable.monitor.routing_metrics.replay_coverage_metrics`, which the guard's ``replay_coverage`` rule
-watches. The actors' reads of shared prompt rows (``stable/routing/transport/side_*``, see
-:class:`verl_stable.transport.side_rows.SharedRowReader`) are summed the same way (:data:`SUMMED_UPDATE_COUNTS`).
+micro-batches and data-parallel ranks; verl's ``reduce_metrics`` would average them over mini-steps. The trainer sums
+them instead (:func:`~verl_stable.monitor.update_metrics.coverage_totals` on the same unreduced output, added up over
+the local updates of a step) and :meth:`StepMonitor.step` logs those totals as ``stable/routing/coverage/<count>`` and
+the fractions of :func:`verl_stable.monitor.routing_metrics.replay_coverage_metrics`, which the guard's
+``replay_coverage`` rule watches. The actors' reads of shared prompt rows (``stable/routing/transport/side_*``, see
+:class:`verl_stable.transport.side_rows.SharedRowReader`) are summed the same way
+(:data:`~verl_stable.monitor.update_metrics.SUMMED_UPDATE_COUNTS`).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from verl_stable.metric_names import COVERAGE, COVERAGE_COUNTS, GUARD, SIDE_READ_COUNTS, TRANSPORT
+from verl_stable.metric_names import COVERAGE, COVERAGE_COUNTS, GUARD
 from verl_stable.monitor import metrics as M
 from verl_stable.monitor.guard import Guard, Verdict
 from verl_stable.monitor.routing_metrics import replay_coverage_metrics
@@ -83,7 +85,8 @@ class MonitorConfig:
         num_experts: routed experts per MoE layer (inferred from the ids when ``None``: a lower bound).
         train_routing_field: TransferQueue field with the training engine's routing, laid out like
             ``routed_experts``; when present, rollout-vs-training disagreement is logged.
-        per_update: log ``stable/<group>/update_<i>/<name>`` for each update mini-step (:data:`PER_UPDATE_METRICS`).
+        per_update: log ``stable/<group>/update_<i>/<name>`` for each update mini-step
+            (:data:`~verl_stable.monitor.update_metrics.PER_UPDATE_METRICS`).
     """
 
     enable: bool = True
@@ -347,7 +350,8 @@ class StepMonitor:
             step: verl's ``global_steps``.
             batch: the step's fields for the monitor, or ``None``.
             metrics: the step's metrics as verl collected them; updated in place.
-            coverage: the step's replay-coverage counts summed over its update mini-steps (:func:`coverage_totals`,
+            coverage: the step's replay-coverage counts summed over its update mini-steps
+                (:func:`~verl_stable.monitor.update_metrics.coverage_totals`,
                 full ``stable/routing/coverage/<count>`` keys); they replace the per-mini-step means verl logged.
         """
         self._step = step
@@ -394,88 +398,3 @@ class StepMonitor:
         if key not in self._warned:
             self._warned.add(key)
             logger.warning("verl-stable: %s", message)
-
-
-#: Metrics logged once per update mini-step (their verl key is ``actor/<name>``, or ``<name>`` from the engine).
-PER_UPDATE_METRICS: tuple[str, ...] = (
-    *(f"{M.STALENESS}/{name}" for name in M.STALENESS_NAMES),
-    f"{M.ROUTING}/r2_drift",
-    f"{M.ROUTING}/router_disagreement",
-    f"{M.ROUTING}/disagreement",
-)
-
-
-SUMMED_UPDATE_COUNTS: tuple[str, ...] = (
-    *(f"{COVERAGE}/{name}" for name in COVERAGE_COUNTS),
-    *(TRANSPORT + name for name in (*SIDE_READ_COUNTS, "side_reads_per_rank")),
-)
-"""Counts the replay engine returns per update mini-step that add up over a step (replay coverage rows, side reads)."""
-
-
-def coverage_totals(raw: Mapping[str, Any], keys: Sequence[str] = SUMMED_UPDATE_COUNTS) -> dict[str, float]:
-    """The counts ``keys`` of verl's unreduced ``update_actor`` metrics, summed over the update mini-steps.
-
-    Each per-mini-step value is already the sum over that mini-step's micro-batches and data-parallel ranks (see
-    :mod:`verl_stable.integration.fsdp_replay`), so the result is the count of the whole ``update_actor`` call.
-
-    Args:
-        raw: the ``metrics`` of ``update_actor``'s output (lists, one value per mini-step, or plain numbers).
-        keys: the counts to sum (default: replay coverage rows and the actors' side reads).
-
-    Returns:
-        ``{key: total}`` for the counts present (e.g. ``stable/routing/coverage/<count>``); empty when replay did
-        not run.
-
-    Raises:
-        ValueError: If a value is not a number.
-    """
-    out: dict[str, float] = {}
-    for key in keys:
-        values = raw.get(key, raw.get(f"actor/{key}"))
-        if values is None:
-            continue
-        values = list(values) if isinstance(values, (list, tuple)) else [values]
-        for value in values:
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
-                raise ValueError(f"count {key!r} holds a {type(value).__name__}, not a number")
-        out[key] = float(sum(float(v) for v in values))
-    return out
-
-
-def per_update_metrics(
-    raw: Mapping[str, Any], first_update: int = 0, names: Sequence[str] = PER_UPDATE_METRICS
-) -> tuple[dict[str, float], int]:
-    """Split verl's unreduced ``update_actor`` metrics into one value per update mini-step.
-
-    verl 0.9.1's ``TrainingWorker.train_mini_batch`` returns, for every metric that reached it as a ``Metric``
-    (all loss metrics, and the replay engine's), a list with one value per mini-step (``ppo_epochs`` x mini-batches,
-    in order), each the aggregate over that mini-step's micro-batches and data-parallel ranks. For each metric
-    ``<group>/<name>`` in ``names`` present as such a list, this returns ``<group>/update_<first_update + i>/<name>``.
-
-    Args:
-        raw: the ``metrics`` of ``update_actor``'s output, keys as the worker wrote them (``actor/`` prefix or not).
-        first_update: index of the first of these mini-steps within the logged step.
-        names: the metrics to split, without the ``actor/`` prefix.
-
-    Returns:
-        The per-update metrics and the number of mini-steps seen (0 when none of ``names`` is present).
-
-    Raises:
-        ValueError: If the metrics disagree on the number of mini-steps, or a value is not a number.
-    """
-    wanted = set(names)
-    out: dict[str, float] = {}
-    lengths: dict[str, int] = {}
-    for key, values in raw.items():
-        name = key.removeprefix("actor/")
-        if name not in wanted or not isinstance(values, (list, tuple)):
-            continue
-        group, leaf = name.rsplit("/", 1)
-        lengths[name] = len(values)
-        for i, value in enumerate(values):
-            if not isinstance(value, (int, float, np.number)):
-                raise ValueError(f"update metric {key!r} holds a {type(value).__name__} at mini-step {i}, not a number")
-            out[f"{group}/update_{first_update + i}/{leaf}"] = float(value)
-    if len(set(lengths.values())) > 1:
-        raise ValueError(f"update metrics disagree on the number of mini-steps: {lengths}")
-    return out, next(iter(lengths.values()), 0)

@@ -40,7 +40,7 @@ from verl_stable.recipes.regimes import BACKENDS, config_value
 
 # Keys a recipe may add beyond verl's YAML: each is checked by a dataclass when the config is converted.
 EXTENSION_PREFIXES: tuple[str, ...] = (
-    "stable",  # verl_stable.integration.trainer.StableConfig
+    "stable",  # verl_stable.monitor.step.StableConfig
     "actor_rollout_ref.actor.policy_loss.minirl",  # StablePolicyLossConfig.minirl
     "actor_rollout_ref.actor.policy_loss.vespo",  # StablePolicyLossConfig.vespo
     "actor_rollout_ref.actor.fsdp_config.router_replay",  # verl's EngineConfig.router_replay (absent from fsdp.yaml)
@@ -413,7 +413,7 @@ def verl_configs(cfg: Any, validate: bool = True) -> VerlConfigs:
     from verl.trainer.config.algorithm import RolloutCorrectionConfig
     from verl.utils.config import omega_conf_to_dataclass
 
-    from verl_stable.integration.trainer import StableConfig
+    from verl_stable.monitor.step import StableConfig
 
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # resolved copy, as the workers see it
     if validate:
