@@ -59,7 +59,9 @@ def test_the_megatron_recipe_runs_through_verls_trainer(megatron_run):
     assert "routing replay layers: 4" in log  # verl's Megatron engine patched every MoE layer's router
     for row in rows:  # N = 4: four update mini-steps per step, each logged by the monitor
         assert {f"stable/staleness/update_{i}/kl_k3" for i in range(STALENESS)} <= set(row), sorted(row)
-        assert row["actor/grad_norm"] > 0
+        # the FSDP actor's scale (1-3); with a zero <pad> embedding row, which Megatron trains (no padding_idx), a
+        # sampled <pad> made it 90-360 (toy.assets.AssetSpec.random_pad_row)
+        assert 0 < row["actor/grad_norm"] < 10
 
 
 def test_the_actors_weights_reach_the_rollout_every_step(megatron_run):
@@ -98,10 +100,10 @@ def test_the_routers_own_choice_is_measured_against_vllms_routing_and_guarded(me
     for row in rows:
         first, last = (row[f"stable/routing/update_{i}/router_disagreement"] for i in (0, STALENESS - 1))
         # mini-step 0 trains pi_old's weights: what differs is vLLM's kernels against the bf16 Megatron actor, a few
-        # rows (measured 0.019 and 0.005) ...
+        # rows (measured 0.019 and 0.010) ...
         assert 0.0 <= first < 0.1, json.dumps(row)[:3000]
         # ... then the update moves the routers while R3 keeps replaying the rollout's experts: their own choice
-        # drifts away from what they replay (measured 0.94 and 0.76 by the fourth mini-step)
+        # drifts away from what they replay (measured 0.93 and 0.70 by the fourth mini-step)
         assert last > first + 0.1
         assert "stable/routing/r2_drift" not in row  # R3: the targets are the rollout's, not pi_old's
         assert row["stable/guard/router_drift"] == 0.0  # the user's rule was evaluated on Megatron, and is quiet
@@ -128,4 +130,4 @@ def test_the_r2_recipe_replays_pi_olds_recorded_routing_in_both_mini_steps(megat
         assert 0.0 <= row["stable/routing/r2_drift"] < 0.5
         # pi_theta == pi_old at the first mini-step (same weights, same routing), then the policy moves
         assert row["stable/staleness/update_0/ratio_dev_max"] < 1e-3
-        assert row["actor/grad_norm"] > 0
+        assert 0 < row["actor/grad_norm"] < 10

@@ -210,7 +210,7 @@ def test_run_cpu_with_vllm_builds_the_assets_vllm_serves(tmp_path, monkeypatch):
     monkeypatch.setattr(launch, "ensure_assets", lambda path, spec: seen.update(spec=spec))
     monkeypatch.setattr(launch, "run_main_ppo", lambda args, *a, **k: seen.update(args=args) or _Done())
     assert launch.run_recipe("minirl_n4_r3", tmp_path / "w", backend="megatron", engine="vllm") == 0
-    assert seen["spec"] == launch.asset_spec("vllm")  # vLLM's CPU attention: head size 32
+    assert seen["spec"] == launch.asset_spec("vllm", actor="megatron")  # head size 32; a pad row Megatron can train
     assert "actor_rollout_ref.rollout.name=vllm" in seen["args"]
     assert "--config-name=minirl_n4_r3" in seen["args"]
 

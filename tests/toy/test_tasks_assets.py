@@ -65,3 +65,31 @@ def test_assets_round_trip(tmp_path):
     mtime = a.train_file.stat().st_mtime_ns
     ensure_assets(tmp_path, spec)  # identical spec: nothing rebuilt
     assert a.train_file.stat().st_mtime_ns == mtime
+
+
+def test_the_megatron_assets_draw_the_pad_row_and_change_nothing_else(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from verl_stable.toy import launch
+    from verl_stable.toy.assets import ensure_assets
+
+    small = dict(num_train=4, num_val=2, hidden_size=32, num_hidden_layers=1, num_experts=4)
+    spec = launch.asset_spec("hf", "copy")
+    megatron_spec = launch.asset_spec("hf", "copy", actor="megatron")
+    assert (spec.random_pad_row, megatron_spec.random_pad_row) == (False, True)
+    models = {}
+    for name, s in (("fsdp", spec), ("megatron", megatron_spec)):
+        a = ensure_assets(tmp_path / name, type(s)(**{**s.__dict__, **small}))
+        models[name] = AutoModelForCausalLM.from_pretrained(a.model_dir)
+    pad = models["fsdp"].config.pad_token_id
+    rows = {name: m.model.embed_tokens.weight.detach() for name, m in models.items()}
+    # transformers zeroes the padding_idx row; the Megatron assets draw it like the others (std 0.02)
+    assert torch.count_nonzero(rows["fsdp"][pad]) == 0
+    assert 0.005 < float(rows["megatron"][pad].std()) < 0.05
+    others = [i for i in range(rows["fsdp"].shape[0]) if i != pad]
+    assert torch.equal(rows["fsdp"][others], rows["megatron"][others])
+    fsdp_state, megatron_state = models["fsdp"].state_dict(), models["megatron"].state_dict()
+    assert all(torch.equal(fsdp_state[k], megatron_state[k]) for k in fsdp_state if "embed_tokens" not in k)
+    with pytest.raises(ValueError, match="actor must be one of"):
+        launch.asset_spec("hf", "copy", actor="deepspeed")

@@ -49,6 +49,12 @@ class AssetSpec:
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     max_position_embeddings: int = 256
+    # The pad token's embedding row drawn like every other row, instead of transformers' zeros (``padding_idx``). The
+    # random toy policy emits <pad>; verl's Megatron actor has no padding_idx, so a zero row gets the first RMSNorm's
+    # backward at x = 0 (a 1/sqrt(eps) gain), its gradient then dominates the global norm and the norm clip shrinks
+    # every other update ~100x. The Megatron runs set it (launch.asset_spec); False keeps the FSDP runs' and the lab's
+    # model.
+    random_pad_row: bool = False
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,9 @@ def build_model(out_dir: str | os.PathLike, spec: AssetSpec, tokenizer: object) 
     )
     torch.manual_seed(spec.seed)
     model = Qwen3MoeForCausalLM(config).float()
+    if spec.random_pad_row:
+        with torch.no_grad():
+            model.model.embed_tokens.weight[config.pad_token_id].normal_(0.0, config.initializer_range)
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=config.pad_token_id)
     model.save_pretrained(str(out_dir))
     return model

@@ -103,13 +103,16 @@ FSDP_ONLY_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.model.u
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
-def asset_spec(engine: str = "hf", task: str = "copy") -> AssetSpec:
-    """The tiny assets a CPU run of ``engine`` uses: vLLM's CPU attention needs a head size of 32 (2 heads of 64)."""
+def asset_spec(engine: str = "hf", task: str = "copy", actor: str = "fsdp") -> AssetSpec:
+    """The tiny assets a CPU run of ``engine`` and the ``actor`` back end uses: vLLM's CPU attention needs a head size
+    of 32 (2 heads of 64); verl's Megatron actor a pad-token embedding row that is not zero
+    (:attr:`~verl_stable.toy.assets.AssetSpec.random_pad_row`)."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    if engine == "vllm":
-        return AssetSpec(task=task, num_attention_heads=2, num_key_value_heads=1)
-    return AssetSpec(task=task)
+    if actor not in CPU_BACKENDS:
+        raise ValueError(f"actor must be one of {CPU_BACKENDS}, got {actor!r}")
+    heads = {"num_attention_heads": 2, "num_key_value_heads": 1} if engine == "vllm" else {}
+    return AssetSpec(task=task, random_pad_row=actor == "megatron", **heads)
 
 
 def engine_overrides(engine: str, precision: str | None, sync_weights: bool) -> list[str]:
@@ -349,7 +352,7 @@ def run_recipe(
     ov = regime_overrides(regime, asset_paths(workdir / "assets"), steps=steps, backend=backend, engine=engine)
     ov += [f"trainer.default_local_dir={workdir / 'checkpoints'}", *overrides]
     recipes.preflight(ov, recipe=path, backend=backend)
-    ensure_assets(workdir / "assets", asset_spec(engine, task))
+    ensure_assets(workdir / "assets", asset_spec(engine, task, backend))
     args = [f"--config-path={path.parent}", f"--config-name={path.stem}", *ov]
     proc = run_main_ppo(args, workdir / "run")
     return proc.returncode
@@ -417,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_overrides:
         print("\n".join(ov))
         return 0
-    ensure_assets(workdir / "assets", asset_spec(args.engine, args.task))
+    ensure_assets(workdir / "assets", asset_spec(args.engine, args.task, args.actor))
     config = [f"--config-name={recipes.BACKENDS[args.actor]}"] if args.actor != "fsdp" else []
     proc = run_main_ppo([*config, *ov], workdir, poll_interval_s=args.poll_interval)
     print(f"main_ppo exited {proc.returncode}; log: {workdir / 'main_ppo.log'}; metrics: {workdir / 'metrics.jsonl'}")
