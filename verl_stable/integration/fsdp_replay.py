@@ -79,10 +79,9 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
-from verl.utils.metric import AggregationType, Metric
 
-from verl_stable.integration.losses import relabel_stable_metrics
-from verl_stable.metric_names import COVERAGE, TRANSPORT
+from verl_stable.integration.losses import relabel_stable_metrics, side_read_metrics, summed_count_metrics
+from verl_stable.metric_names import COVERAGE
 from verl_stable.routing import alignment
 from verl_stable.routing.checks import check_id_range
 from verl_stable.routing.disagreement import expert_sets_differ
@@ -269,14 +268,9 @@ class RouterReplayMixin:
             # after the relabelling, which would make them MEAN: counts add up (see the module docstring)
             dp_size = int(tu.get_non_tensor_data(data=micro_batch, key="dp_size", default=1) or 1)
             metrics = output.setdefault("metrics", {})
-            for name, count in (coverage or {}).items():
-                metrics[f"{COVERAGE}/{name}"] = Metric(aggregation=AggregationType.SUM, value=count * dp_size)
-            for name, count in (side_reads or {}).items():
-                metrics[TRANSPORT + name] = Metric(aggregation=AggregationType.SUM, value=count * dp_size)
+            metrics.update(summed_count_metrics(coverage or {}, dp_size, f"{COVERAGE}/"))
             if side_reads is not None:
-                metrics[f"{TRANSPORT}side_reads_per_rank"] = Metric(
-                    aggregation=AggregationType.SUM, value=side_reads["side_reads"]
-                )
+                metrics.update(side_read_metrics(side_reads, dp_size))
         return loss, output
 
     # ------------------------------------------------------------------------------------------- alignment

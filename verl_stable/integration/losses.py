@@ -55,6 +55,7 @@ from verl.workers.config import PolicyLossConfig
 from verl_stable.algos.minirl import minirl_policy_loss
 from verl_stable.algos.token_batch import PolicyLossTerms
 from verl_stable.algos.vespo import VespoKernel, vespo_policy_loss
+from verl_stable.metric_names import TRANSPORT
 from verl_stable.monitor.metrics import STALENESS, staleness_statistics
 from verl_stable.schema import MiniRLOptions, VespoOptions, parse, to_plain
 
@@ -239,6 +240,29 @@ def relabel_stable_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"metric {key!r} holds {len(values)} values; expected one per micro-batch")
         if not (isinstance(value, Metric) and value.aggregation is aggregation):
             metrics[key] = Metric(aggregation=aggregation, value=values[0])
+    return metrics
+
+
+def summed_count_metrics(counts: Mapping[str, Any], dp_size: int, prefix: str) -> dict[str, Metric]:
+    """One rank's counts of a micro-batch as verl ``Metric(SUM)`` values that add up over ranks and micro-batches.
+
+    verl's ``Metric.aggregate_dp`` averages a SUM metric over the data-parallel ranks and sums it over micro-batches,
+    so each rank reports its count times ``dp_size``: the aggregate is the count of the whole update mini-step.
+    """
+    return {
+        prefix + name: Metric(aggregation=AggregationType.SUM, value=count * dp_size) for name, count in counts.items()
+    }
+
+
+def side_read_metrics(side_reads: Mapping[str, Any], dp_size: int) -> dict[str, Metric]:
+    """A rank's TransferQueue reads of shared prompt rows as ``stable/routing/transport/...`` metrics.
+
+    The counts of :data:`~verl_stable.metric_names.SIDE_READ_COUNTS` summed over ranks
+    (:func:`summed_count_metrics`), and ``side_reads_per_rank``: the read count averaged over ranks (a SUM left
+    unscaled).
+    """
+    metrics = summed_count_metrics(side_reads, dp_size, TRANSPORT)
+    metrics[f"{TRANSPORT}side_reads_per_rank"] = Metric(aggregation=AggregationType.SUM, value=side_reads["side_reads"])
     return metrics
 
 

@@ -74,14 +74,19 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
-from verl.utils.metric import AggregationType, Metric
+from verl.utils.metric import Metric
 from verl.utils.py_functional import append_to_dict
 
 from verl_stable.compat.import_hooks import when_imported
 from verl_stable.integration.engine_keys import hold_engine_key
-from verl_stable.integration.losses import relabel_stable_metrics, stable_metric_aggregation
+from verl_stable.integration.losses import (
+    relabel_stable_metrics,
+    side_read_metrics,
+    stable_metric_aggregation,
+    summed_count_metrics,
+)
 from verl_stable.integration.megatron_audit import COVERAGE_WIDTH, PER_LAYER, Audit, NativeChoiceTap
-from verl_stable.metric_names import COVERAGE, COVERAGE_COUNTS, TRANSPORT
+from verl_stable.metric_names import COVERAGE, COVERAGE_COUNTS
 from verl_stable.routing.disagreement import expert_sets_differ
 from verl_stable.routing.families import layout_from_config
 from verl_stable.routing.replay_audit import (
@@ -348,11 +353,9 @@ class MegatronReplayMetricsMixin:
                 )
             elif not unknown:
                 coverage = counts[PER_LAYER * layers : PER_LAYER * layers + COVERAGE_WIDTH]
-                for name, count in zip(COVERAGE_COUNTS, coverage, strict=True):
-                    # a SUM metric is averaged over dp ranks by verl's aggregate_dp: times dp_size is the sum
-                    metrics[f"{COVERAGE}/{name}"] = Metric(
-                        aggregation=AggregationType.SUM, value=float(count * dp_size)
-                    )
+                metrics.update(
+                    summed_count_metrics(dict(zip(COVERAGE_COUNTS, coverage, strict=True)), dp_size, f"{COVERAGE}/")
+                )
             append_to_dict(output["metrics"], metrics)
 
     def _report_side_reads(self, data: TensorDict, output: Any, side_reads: dict[str, int] | None) -> None:
@@ -360,14 +363,7 @@ class MegatronReplayMetricsMixin:
         if side_reads is None or not isinstance(output, dict) or "metrics" not in output:
             return
         dp_size = int(tu.get_non_tensor_data(data=data, key="dp_size", default=1) or 1)
-        metrics = {
-            TRANSPORT + name: Metric(aggregation=AggregationType.SUM, value=float(count * dp_size))
-            for name, count in side_reads.items()
-        }
-        metrics[f"{TRANSPORT}side_reads_per_rank"] = Metric(
-            aggregation=AggregationType.SUM, value=float(side_reads["side_reads"])
-        )
-        append_to_dict(output["metrics"], metrics)
+        append_to_dict(output["metrics"], side_read_metrics(side_reads, dp_size))
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._audit_warned:
