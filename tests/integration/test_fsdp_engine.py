@@ -30,6 +30,7 @@ from verl_stable.compat import import_hooks
 from verl_stable.integration import fsdp_engine as fe
 from verl_stable.integration.fsdp_engine import ReplayAction, RouterReplayError, replay_action
 from verl_stable.routing import RoutingTrace, capture, replay
+from verl_stable.transport.expansion import MOE_ROUTING_FIELD
 
 LENGTHS = [5, 7, 3, 6]
 pytestmark = pytest.mark.usefixtures("cpu_runtime")  # tests/integration/conftest.py
@@ -225,6 +226,27 @@ def test_r3_with_pad_to_length_keeps_pad_rows_on_the_models_routing():
     assert torch.allclose(out["log_probs"].values(), ref_out["log_probs"].values(), atol=1e-6)
     assert _metric(metrics, "padding_rows") == [(24 - 21) * len(MOE_LAYERS)]
     assert _metric(metrics, "disagreement") == [0.0]
+
+
+def test_r3_on_the_compact_transports_moe_rows_replays_exactly_as_on_verls_rows():
+    """The FSDP engine aligns the compact transport's MoE-layer rows (uint8, no dense layers) as verl's int16 rows."""
+    model = engine_model()
+    routed = _random_routing(sum(LENGTHS), seed=6)
+    routed[torch.tensor(LENGTHS).cumsum(0) - 1] = 0  # rows without data travel as zero rows in both forms
+    verl_out, verl_metrics = _run(_engine(model, mode="R3"), _batch(routed=routed, micro=4))
+    data = _batch(micro=4)
+    moe_rows = routed[:, list(MOE_LAYERS)].to(torch.uint8)
+    data[MOE_ROUTING_FIELD] = torch.nested.nested_tensor_from_jagged(moe_rows, data["input_ids"].offsets())
+    out, metrics = _run(_engine(model, mode="R3"), data)
+    assert torch.equal(out["log_probs"].values(), verl_out["log_probs"].values())
+    for name in ("disagreement", "replayed_rows", "missing_rows", "router_disagreement"):
+        assert _metric(metrics, name) == _metric(verl_metrics, name)
+    assert _metric(metrics, "missing_rows") == [len(LENGTHS) * len(MOE_LAYERS)]
+    # rows for another layer count are refused with both shapes named
+    bad = _batch(micro=4)
+    bad[MOE_ROUTING_FIELD] = torch.nested.nested_tensor_from_jagged(routed.to(torch.uint8), bad["input_ids"].offsets())
+    with pytest.raises(RouterReplayError, match=r"\(3, 2\) but the .* expects \[2 MoE layers, top_k 2\]"):
+        _run(_engine(model, mode="R3"), bad)
 
 
 def test_rows_without_data_keep_the_models_routing_and_are_counted():

@@ -35,6 +35,8 @@ from verl_stable.transport.boundary import (
 )
 from verl_stable.transport.expansion import (
     COMPACT_FIELDS,
+    MOE_ROUTING_FIELD,
+    attach_moe_routing,
     expand_compact_routing,
     routing_trace_from_batch,
     without_compact_fields,
@@ -253,6 +255,32 @@ def test_verl_padding_samples_get_no_routing():
         routing_trace_from_batch(broken.exclude("response_mask"), LAYOUT)
 
 
+def test_the_fsdp_actors_moe_rows_are_verls_rows_on_the_moe_layers_without_the_detour():
+    """attach_moe_routing gives the MoE-layer rows of what verl's own agent loop would have stored, compact."""
+    rng = np.random.default_rng(12)
+    outputs = [agent_output(rng, p, m) for p, m in ((5, [1, 1, 0, 1]), (3, [1]), (6, [1, 1]))]
+    references = [o.model_copy(deep=True).as_dict()["routed_experts"] for o in outputs]  # all decoder layers
+    fields = []
+    for output in outputs:
+        d = rollout.compact_agent_loop_output(output, LAYOUT).as_dict()
+        d["input_ids"] = torch.cat([d["prompts"], d["responses"]])
+        fields.append({k: v for k, v in d.items() if isinstance(v, torch.Tensor)})
+    batch = list_of_dict_to_tensordict(fields)
+    assert attach_moe_routing(batch, LAYOUT)
+    assert "routed_experts" not in batch.keys() and not attach_moe_routing(batch, LAYOUT)
+    moe = batch[MOE_ROUTING_FIELD]
+    assert moe.dtype == torch.uint8 and torch.equal(moe.offsets(), batch["input_ids"].offsets())
+    for got, reference in zip(moe.unbind(), references, strict=True):
+        assert torch.equal(got.long(), reference[:, list(LAYOUT.moe_layers)].long())
+        assert not reference[:, [0, 3]].any()  # the dense layers verl's form carries as zeros, left out here
+    # a batch that already carries verl's routed_experts (R2's recording of pi_old) keeps it: nothing added
+    recorded = list_of_dict_to_tensordict(fields)
+    recorded["routed_experts"] = torch.nested.nested_tensor_from_jagged(
+        torch.zeros(int(recorded["input_ids"].offsets()[-1]), 5, 2, dtype=torch.int16), recorded["input_ids"].offsets()
+    )
+    assert not attach_moe_routing(recorded, LAYOUT) and MOE_ROUTING_FIELD not in recorded.keys()
+
+
 def test_actor_expansion_names_the_sample_whose_routing_is_corrupt():
     """The actor validates a batch's rows in one pass; a bad id is then located and named per sample."""
     rng = np.random.default_rng(9)
@@ -269,6 +297,10 @@ def test_actor_expansion_names_the_sample_whose_routing_is_corrupt():
     with pytest.raises(ExpertIdRangeError, match=rf"sample 1: .*token position {start + 2}, MoE layer 1"):
         expand_compact_routing(batch, LAYOUT)
     assert "routed_experts" not in batch.keys()
+    # the FSDP actor's gathering is the same, single check on the actor
+    with pytest.raises(ExpertIdRangeError, match=rf"sample 1: .*token position {start + 2}, MoE layer 1"):
+        attach_moe_routing(batch, LAYOUT)
+    assert MOE_ROUTING_FIELD not in batch.keys()
 
 
 def test_sglang_reader_fix_returns_vllm_layout():

@@ -16,13 +16,17 @@ The reference policy never replays: a forward-only engine (verl builds the refer
 ``forward_only=True``) never records or replays, and neither does a pass run under ``disable_adapter()`` (the
 reference computed by the LoRA actor).
 
-Alignment. ``routed_experts`` is per sample, one row per valid token (prompt + response) indexed by absolute
-decoder layer, in the order of ``input_ids``. Each micro-batch's rows are laid out exactly as verl lays out
+Alignment. The reference routing is per sample, one row per valid token (prompt + response), in the order of
+``input_ids``: verl's ``routed_experts`` (indexed by absolute decoder layer; verl's agent loop, R2's recording) or,
+with the project's compact transport, :data:`~verl_stable.transport.expansion.MOE_ROUTING_FIELD` (MoE layers only,
+gathered and checked on this actor by :func:`~verl_stable.transport.expansion.attach_moe_routing`, never widened to
+all decoder layers). Each micro-batch's rows are laid out exactly as verl lays out
 ``input_ids`` for the model (padded, packed + ``pad_to_length`` pad, Ulysses pad + per-rank slice) by
 :mod:`verl_stable.routing.alignment`; pad rows and rows without data (zero rows, e.g. the last sampled token) keep
-the model's own routing and are counted. The rows are checked there, once per micro-batch (every id in
-``[0, num_experts)``; a row holds data only if its top-k ids are distinct), and handed to the replayer as checked
-rows, not as a trace that would check them again.
+the model's own routing and are counted. verl's rows are checked there, once per micro-batch (every id in
+``[0, num_experts)``; a row holds data only if its top-k ids are distinct); the compact transport's were checked
+where they were gathered. Either way they reach the replayer as checked rows, not as a trace that would check them
+again: one check per hop.
 
 Replay replaces only the expert selection; gate weights are recomputed by the family's formula from the live router
 output (:mod:`verl_stable.routing`), so the router is trained. The replay context stays open across the
@@ -103,7 +107,7 @@ from verl_stable.routing.replay_pass import (
     token_roles,
 )
 from verl_stable.routing.trace import MISSING
-from verl_stable.transport.expansion import expand_compact_routing, without_compact_fields
+from verl_stable.transport.expansion import MOE_ROUTING_FIELD, attach_moe_routing, without_compact_fields
 from verl_stable.transport.fields import IDS_FIELD
 from verl_stable.transport.side_rows import SharedRowReader
 
@@ -186,7 +190,7 @@ class RouterReplayMixin:
             forward_only=forward_only,
             engine_forward_only=self._engine_forward_only,
             reference_pass=self._reference_depth > 0,
-            batch_has_routing=ROUTED_EXPERTS in data.keys(),
+            batch_has_routing=_has_routing(data),
             worker_flag=None if flag is None else bool(flag),
         )
         if action is ReplayAction.OBSERVE and self._model_routing is None:
@@ -195,10 +199,10 @@ class RouterReplayMixin:
 
     def forward_backward_batch(self, data: TensorDict, loss_function: Callable, forward_only: bool = False) -> Any:
         if self._model_routing is not None and IDS_FIELD in data.keys():
-            # The rollout side ships compact uint8 routing (integration.rollout); expand it to verl's layout here,
-            # on the actor, only for the batch being processed (the prompt rows its groups share come from the
-            # rank's reader: one TransferQueue read per step, see rollout.SharedRowReader).
-            expand_compact_routing(data, self._model_routing.layout, reader=self._prompt_rows)
+            # The rollout side ships compact uint8 routing (integration.rollout); its MoE-layer rows are gathered and
+            # checked here, on the actor, only for the batch being processed (the prompt rows its groups share come
+            # from the rank's reader: one TransferQueue read per step, see rollout.SharedRowReader).
+            attach_moe_routing(data, self._model_routing.layout, reader=self._prompt_rows)
             if not forward_only:  # reported with the mini-step's first micro-batch (forward_step)
                 self._side_read_counts = self._prompt_rows.take_counts()
             data = without_compact_fields(data)  # consumed: verl's micro-batch split need not index them
@@ -207,7 +211,7 @@ class RouterReplayMixin:
             return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
         if self._model_routing is None:
             raise RouterReplayError(f"router replay is not bound to the model: {self._routing_unsupported}")
-        if action is ReplayAction.REPLAY and ROUTED_EXPERTS not in data.keys():
+        if action is ReplayAction.REPLAY and not _has_routing(data):
             raise RouterReplayError(self._missing_routing_message(forward_only))
         if self._replay_pass is not None:
             raise RouterReplayError("forward_backward_batch re-entered while a router replay pass is active")
@@ -293,17 +297,29 @@ class RouterReplayMixin:
         assert self._model_routing is not None
         self._check_layout_supported()
         layout = self._model_routing.layout
-        rows, offsets = routed_rows(micro_batch)
-        if rows.shape[1] != layout.num_hidden_layers or rows.shape[2] != layout.top_k:
-            raise RouterReplayError(
-                f"routed_experts rows are [{rows.shape[1]} layers, top_k {rows.shape[2]}] but the "
-                f"{layout.model_type} model expects [{layout.num_hidden_layers} decoder layers, top_k {layout.top_k}] "
-                "(routing indexed by absolute decoder layer, dense layers as zero rows)"
-            )
-        moe = alignment.select_layers(rows, layout.moe_layers)
-        check_id_range(moe, layout.num_experts)
+        if MOE_ROUTING_FIELD in micro_batch.keys():
+            # the compact transport's MoE-layer rows, checked once on this actor where they were gathered
+            # (transport.expansion.attach_moe_routing)
+            moe, offsets = routed_rows(micro_batch, MOE_ROUTING_FIELD)
+            if moe.shape[1:] != (layout.num_moe_layers, layout.top_k):
+                raise RouterReplayError(
+                    f"{MOE_ROUTING_FIELD} rows are {tuple(moe.shape[1:])} but the {layout.model_type} model expects "
+                    f"[{layout.num_moe_layers} MoE layers, top_k {layout.top_k}]"
+                )
+        else:
+            # verl's own int16 rows (its agent loop's routed_experts, or R2's recording of pi_old): this is their
+            # one check on the actor
+            rows, offsets = routed_rows(micro_batch)
+            if rows.shape[1] != layout.num_hidden_layers or rows.shape[2] != layout.top_k:
+                raise RouterReplayError(
+                    f"routed_experts rows are [{rows.shape[1]} layers, top_k {rows.shape[2]}] but the "
+                    f"{layout.model_type} model expects [{layout.num_hidden_layers} decoder layers, top_k "
+                    f"{layout.top_k}] (routing indexed by absolute decoder layer, dense layers as zero rows)"
+                )
+            moe = alignment.select_layers(rows, layout.moe_layers)
+            check_id_range(moe, layout.num_experts)
         # a row holds data iff its top-k ids are distinct, so the rows handed to the replayer are distinct and in range:
-        # checked here once (set_checked_rows), not again by a trace
+        # checked once (set_checked_rows), not again by a trace
         has_data = alignment.rows_with_data(moe)
         dense = moe.to(torch.long).masked_fill_(~has_data.unsqueeze(-1), MISSING)
         use_remove_padding = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
@@ -390,3 +406,9 @@ class RouterReplayMixin:
         tokens = has_data.any(dim=1)
         metrics["disagreement/token_any_layer"] = int((disagree.any(dim=1) & tokens).sum()) / max(int(tokens.sum()), 1)
         return metrics
+
+
+def _has_routing(data: TensorDict) -> bool:
+    """Whether a batch carries reference routing: verl's ``routed_experts`` or the compact transport's MoE rows."""
+    keys = data.keys()
+    return ROUTED_EXPERTS in keys or MOE_ROUTING_FIELD in keys

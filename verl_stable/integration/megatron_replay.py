@@ -57,8 +57,9 @@ Written against megatron-core 0.16.1's ``TopKRouter`` (its forward returns ``pro
 The compact transport (:mod:`verl_stable.transport`): a batch that carries the rollout's routing in the project's
 compact form (uint8 ids, ragged spans, shared prompt rows; ``CompactRoutingAgentLoopManagerTQ``) is expanded here, on
 the actor, into verl's own int16 ``routed_experts`` (all decoder layers) before verl's engine sees it
-(:func:`verl_stable.transport.expansion.expand_compact_routing`, as the FSDP engine does): verl's Megatron replay then
-runs on exactly what verl's own agent loop would have given it, while the transport stays compact.
+(:func:`verl_stable.transport.expansion.expand_compact_routing`, which checks the ids: the actor's one check, verl's
+replay does none): verl's Megatron replay then runs on exactly what verl's own agent loop would have given it, while
+the transport stays compact. (The FSDP engine, which aligns the rows itself, takes the MoE-layer rows instead.)
 
 Building the engine classes (:func:`engine_class`) and registering the language-model class for verl's
 ``("megatron", cuda)`` engine keys (:func:`register`, a plugin step) are here too; the CPU engines of

@@ -92,21 +92,21 @@ def replay_action(
     return ReplayAction.REPLAY
 
 
-def routed_rows(micro_batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
-    """``routed_experts`` of a micro-batch as packed rows ``[nnz, layers, top_k]`` and the input's cu_seqlens."""
+def routed_rows(micro_batch: TensorDict, field: str = ROUTED_EXPERTS) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing ``field`` of a micro-batch as packed rows ``[nnz, layers, top_k]`` and the input's cu_seqlens."""
     input_ids = micro_batch["input_ids"]
     offsets = input_ids.offsets() if input_ids.is_nested else None
-    routed = micro_batch.get(ROUTED_EXPERTS, None)
+    routed = micro_batch.get(field, None)
     if routed is None:
-        raise RouterReplayError(f"the micro-batch has no '{ROUTED_EXPERTS}'")
+        raise RouterReplayError(f"the micro-batch has no '{field}'")
     if routed.is_nested:
         if offsets is None:
-            raise RouterReplayError("routed_experts is nested but input_ids is not: cannot align them")
+            raise RouterReplayError(f"{field} is nested but input_ids is not: cannot align them")
         rows = routed.values()
         routed_offsets = routed.offsets()
         if routed_offsets.shape != offsets.shape or not torch.equal(routed_offsets.cpu(), offsets.cpu()):
             raise RouterReplayError(
-                f"routed_experts rows per sample {routed_offsets.diff().tolist()} do not match the input_ids lengths "
+                f"{field} rows per sample {routed_offsets.diff().tolist()} do not match the input_ids lengths "
                 f"{offsets.diff().tolist()}: routing must have one row per valid token (prompt + response)"
             )
         return rows, offsets

@@ -5,9 +5,16 @@ What the agent-loop workers stored per sample (:data:`~verl_stable.transport.fie
 :mod:`.sharing`) is rebuilt here, on the actor, after verl's balancing, shuffling and micro-batching:
 
 * :func:`routing_trace_from_batch`: the token-aligned :class:`~verl_stable.routing.trace.RoutingTrace`;
-* :func:`expand_compact_routing`: verl's own jagged int16 ``routed_experts``, for a replay engine written against
-  verl's layout (the FSDP engine, verl's Megatron/VeOmni replay). The expansion lives only on the actor,
-  transiently; transport stays compact.
+* :func:`attach_moe_routing`: the rows over MoE layers only, checked, as one jagged field
+  (:data:`MOE_ROUTING_FIELD`) aligned with ``input_ids``: what the FSDP replay engine aligns to its routers, with no
+  detour through all decoder layers and no second check;
+* :func:`expand_compact_routing`: verl's own jagged int16 ``routed_experts`` over all decoder layers, for code
+  written against verl's layout (verl's Megatron replay, the driver's monitor). Both live only on the actor (or the
+  driver), transiently; transport stays compact.
+
+The ids are checked here once, on the batch being processed (range, distinct top-k, the zero rule; a bad batch is
+checked again sample by sample to name the sample): this is the actor's one check of rows that left the rollout
+side's boundary check. Whoever consumes these fields trusts them.
 
 Both re-attach the shared prompt rows first (one TransferQueue read of the entries not already held by the rank's
 :class:`~.side_rows.SharedRowReader`, or one per batch without one) and give verl's synthetic padding
@@ -37,10 +44,21 @@ from verl_stable.transport.fields import IDS_FIELD, SPAN_FIELD, rows_from_fields
 from verl_stable.transport.sharing import PROMPT_REF_FIELD
 from verl_stable.transport.side_rows import SharedRowReader, attach_shared_prompt_rows, merged_sample_rows
 
-__all__ = ["COMPACT_FIELDS", "expand_compact_routing", "routing_trace_from_batch", "without_compact_fields"]
+__all__ = [
+    "COMPACT_FIELDS",
+    "MOE_ROUTING_FIELD",
+    "attach_moe_routing",
+    "expand_compact_routing",
+    "routing_trace_from_batch",
+    "without_compact_fields",
+]
 
 COMPACT_FIELDS = (IDS_FIELD, SPAN_FIELD, PROMPT_REF_FIELD, BOUNDARY_FIELD)
 """The per-sample fields of the compact transport, in the order the agent-loop workers emit them."""
+
+MOE_ROUTING_FIELD = "stable_moe_routing"
+"""The actor's checked MoE-layer rows (:func:`attach_moe_routing`): jagged ``[B, tokens_i, num_moe_layers, top_k]``
+in the compact storage dtype (uint8 up to 256 experts, else int16), one row per token of ``input_ids``."""
 
 
 def _sequence_lengths(data: Any) -> list[int]:
@@ -97,32 +115,62 @@ def routing_trace_from_batch(data: Any, layout: RoutingLayout, kv_batch_get: Any
 def expand_compact_routing(
     data: Any, layout: RoutingLayout, kv_batch_get: Any = None, reader: SharedRowReader | None = None
 ) -> bool:
-    """Actor side, per (mini-/micro-)batch: add verl's ``routed_experts`` from the compact fields, in place.
+    """Actor or driver side, per (mini-/micro-)batch: add verl's ``routed_experts`` from the compact fields, in place.
 
     Produces verl's V1 form, jagged int16 ``[B, (prompt_len_i + response_len_i), num_hidden_layers, top_k]`` aligned
-    with the jagged ``input_ids``, zero rows where nothing was recorded, so a replay engine written for verl's layout
-    consumes it unchanged. Shared prompt rows are put in front of each sample's own rows first
-    (:func:`~.side_rows.merged_sample_rows`: through the rank's ``reader`` if given, else one ``kv_batch_get`` of the
-    batch's groups, default TransferQueue's). The whole batch is validated and scattered in one pass, not sample by
-    sample (this runs at every actor call); an invalid batch is checked again per sample to name the sample. Returns
-    True when it added the field.
+    with the jagged ``input_ids``, zero rows where nothing was recorded (dense layers included), so code written for
+    verl's layout (verl's Megatron replay, the monitor) consumes it unchanged. The rows are gathered and checked as
+    in :func:`attach_moe_routing`, then scattered into the MoE layers. Returns True when it added the field.
     """
     if IDS_FIELD not in data.keys() or "routed_experts" in data.keys():
         return False
+    check_wire_width(np.dtype(np.int16), layout.num_experts, "verl routed_experts")
+    moe, offsets = _checked_moe_rows(data, layout, kv_batch_get, reader)
+    rows = torch.zeros(moe.shape[0], layout.num_hidden_layers, layout.top_k, dtype=torch.int16)
+    rows[:, list(layout.moe_layers)] = moe.to(torch.int16)
+    data["routed_experts"] = torch.nested.nested_tensor_from_jagged(rows.to(data["input_ids"].device), offsets)
+    return True
+
+
+def attach_moe_routing(
+    data: Any, layout: RoutingLayout, kv_batch_get: Any = None, reader: SharedRowReader | None = None
+) -> bool:
+    """Actor side, per (mini-)batch: add :data:`MOE_ROUTING_FIELD` from the compact fields, in place.
+
+    The field is jagged ``[B, (prompt_len_i + response_len_i), num_moe_layers, top_k]`` aligned with the jagged
+    ``input_ids``, in the compact storage dtype, zero rows where nothing was recorded. Shared prompt rows are put in
+    front of each sample's own rows first (:func:`~.side_rows.merged_sample_rows`: through the rank's ``reader`` if
+    given, else one ``kv_batch_get`` of the batch's groups, default TransferQueue's); verl's synthetic padding samples
+    get no routing. The whole batch is validated and scattered in one pass, not sample by sample (this runs at every
+    actor call); an invalid batch is checked again per sample to name the sample. A batch that already carries verl's
+    ``routed_experts`` (R2's recording of pi_old, made by ``compute_log_prob``) keeps it: nothing is added. Returns
+    True when it added the field.
+    """
+    if IDS_FIELD not in data.keys() or MOE_ROUTING_FIELD in data.keys() or "routed_experts" in data.keys():
+        return False
+    moe, offsets = _checked_moe_rows(data, layout, kv_batch_get, reader)
+    dtype = torch.uint8 if layout.num_experts <= 256 else torch.int16
+    data[MOE_ROUTING_FIELD] = torch.nested.nested_tensor_from_jagged(
+        moe.to(dtype).to(data["input_ids"].device), offsets
+    )
+    return True
+
+
+def _checked_moe_rows(
+    data: Any, layout: RoutingLayout, kv_batch_get: Any, reader: SharedRowReader | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's rows ``[tokens, num_moe_layers, top_k]`` (int64) over ``input_ids``' offsets, ids checked."""
     input_ids = data["input_ids"]
     if not input_ids.is_nested:
         raise RowCountError("expanding compact routing needs jagged input_ids (verl's V1 / TransferQueue batches)")
     merged = merged_sample_rows(data, kv_batch_get, layout, reader)
     parts = unbind_integer(data[IDS_FIELD], IDS_FIELD) if merged is None else merged[0]
     offsets = input_ids.offsets()
-    rows = _verl_rows(data, parts, offsets.cpu(), layout)
-    data["routed_experts"] = torch.nested.nested_tensor_from_jagged(rows.to(input_ids.device), offsets)
-    return True
+    return _moe_rows(data, parts, offsets.cpu(), layout), offsets
 
 
-def _verl_rows(data: Any, parts: list[torch.Tensor], offsets: torch.Tensor, layout: RoutingLayout) -> torch.Tensor:
-    """The batch's routing as verl's int16 ``[tokens, num_hidden_layers, top_k]`` values over ``offsets``."""
-    check_wire_width(np.dtype(np.int16), layout.num_experts, "verl routed_experts")
+def _moe_rows(data: Any, parts: list[torch.Tensor], offsets: torch.Tensor, layout: RoutingLayout) -> torch.Tensor:
+    """The batch's routing as ``[tokens, num_moe_layers, top_k]`` int64 over ``offsets``, zero rows without data."""
     spans = span_pairs(data[SPAN_FIELD], SPAN_FIELD)
     if len(parts) != spans.shape[0]:
         raise RowCountError(f"{len(parts)} routing entries but {spans.shape[0]} spans")
@@ -134,7 +182,7 @@ def _verl_rows(data: Any, parts: list[torch.Tensor], offsets: torch.Tensor, layo
         raise RowCountError(f"{len(parts)} routing entries for {lengths.numel()} sequences")
     keep = _drop_padding_samples(data, spans, lengths)
     kept = [part for part, k in zip(parts, keep, strict=True) if k]
-    out = torch.zeros(int(offsets[-1]), layout.num_hidden_layers, layout.top_k, dtype=torch.int16)
+    out = torch.zeros(int(offsets[-1]), layout.num_moe_layers, layout.top_k, dtype=torch.long)
     if not kept:
         return out
     values = torch.cat([part.detach().cpu() for part in kept])
@@ -153,8 +201,7 @@ def _verl_rows(data: Any, parts: list[torch.Tensor], offsets: torch.Tensor, layo
     first = (offsets[:-1] + spans[:, 0])[mask]  # where each kept sample's first routed row lands
     sample = torch.repeat_interleave(torch.arange(counts.numel()), counts)
     position = first[sample] + torch.arange(values.shape[0]) - (counts.cumsum(0) - counts)[sample]
-    layers = torch.tensor(layout.moe_layers, dtype=torch.long)
-    out[position.unsqueeze(1), layers.unsqueeze(0)] = values.to(torch.int16)
+    out[position] = values.to(torch.long)
     return out
 
 
@@ -182,9 +229,9 @@ def _drop_padding_samples(data: Any, spans: torch.Tensor, lengths: torch.Tensor)
 def without_compact_fields(data: Any) -> Any:
     """``data`` without :data:`COMPACT_FIELDS` (a shallow copy; ``data`` itself is left as it is), or ``data``.
 
-    Once :func:`expand_compact_routing` has added ``routed_experts``, the engine needs none of them; verl's
-    micro-batch split indexes every field of a batch, and a jagged field costs a few milliseconds per split on the CPU
-    runtime (``benchmarks/bench_dp_overhead.py``), so they are left out before it.
+    Once :func:`attach_moe_routing` or :func:`expand_compact_routing` has added its field, the engine needs none of
+    them; verl's micro-batch split indexes every field of a batch, and a jagged field costs a few milliseconds per split
+    on the CPU runtime (``benchmarks/bench_dp_overhead.py``), so they are left out before it.
     """
     present = [name for name in COMPACT_FIELDS if name in data.keys()]
     return data.exclude(*present) if present else data
