@@ -213,6 +213,25 @@ def test_rows_with_data_marks_zero_and_repeated_rows():
     assert al.rows_with_data(top1).tolist() == [[True, True], [False, False]]
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    k=st.sampled_from([2, 3, 8, 16, 17, 20]),
+    rows=st.integers(0, 9),
+    layers=st.integers(1, 3),
+    experts=st.integers(2, 24),
+    dtype=st.sampled_from([torch.uint8, torch.int16, torch.int64]),
+    seed=st.integers(0, 2**16),
+)
+def test_rows_with_data_is_every_id_distinct_at_any_top_k(k, rows, layers, experts, dtype, seed):
+    """Pairwise compares (K <= 16) and the sort (K > 16) against a per-row set count."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, max(experts, k), (rows, layers, k), generator=gen).to(dtype)
+    if rows:
+        ids[0, 0] = torch.randperm(max(experts, k), generator=gen)[:k].to(dtype)  # at least one genuine row
+    expected = [[len(set(ids[n, lyr].tolist())) == k for lyr in range(layers)] for n in range(rows)]
+    assert al.rows_with_data(ids).tolist() == expected
+
+
 def test_layer_select_and_scatter_round_trip():
     rows = torch.randint(0, 8, (5, 4, 2))
     moe = [1, 3]

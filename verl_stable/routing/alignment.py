@@ -343,10 +343,20 @@ def rows_with_data(ids: torch.Tensor) -> torch.Tensor:
     _check_rows(ids, "ids")
     if ids.shape[0] == 0 or ids.shape[1] == 0:
         return torch.ones(ids.shape[:2], dtype=torch.bool, device=ids.device)
-    if ids.shape[2] == 1:
+    k = ids.shape[2]
+    if k == 1:
         return (ids != 0).flatten(1).any(dim=1, keepdim=True).expand(ids.shape[:2]).clone()
-    ordered, _ = ids.sort(dim=-1)
-    return ~(ordered[..., 1:] == ordered[..., :-1]).any(dim=-1)
+    if k > 16:
+        ordered, _ = ids.sort(dim=-1)
+        return ~(ordered[..., 1:] == ordered[..., :-1]).any(dim=-1)
+    # pairwise compares of contiguous top-k columns: several times faster than sorting every row at small K
+    # (benchmarks/bench_actor_routing.py)
+    cols = ids.movedim(2, 0).contiguous()
+    repeated = torch.zeros(ids.shape[:2], dtype=torch.bool, device=ids.device)
+    for i in range(k - 1):
+        for j in range(i + 1, k):
+            repeated |= cols[i] == cols[j]
+    return ~repeated
 
 
 def select_layers(rows: torch.Tensor, moe_layers: Sequence[int]) -> torch.Tensor:

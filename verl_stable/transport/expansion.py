@@ -125,9 +125,9 @@ def expand_compact_routing(
     if IDS_FIELD not in data.keys() or "routed_experts" in data.keys():
         return False
     check_wire_width(np.dtype(np.int16), layout.num_experts, "verl routed_experts")
-    moe, offsets = _checked_moe_rows(data, layout, kv_batch_get, reader)
+    moe, offsets = _checked_moe_rows(data, layout, kv_batch_get, reader, torch.int16)
     rows = torch.zeros(moe.shape[0], layout.num_hidden_layers, layout.top_k, dtype=torch.int16)
-    rows[:, list(layout.moe_layers)] = moe.to(torch.int16)
+    rows[:, list(layout.moe_layers)] = moe
     data["routed_experts"] = torch.nested.nested_tensor_from_jagged(rows.to(data["input_ids"].device), offsets)
     return True
 
@@ -148,29 +148,34 @@ def attach_moe_routing(
     """
     if IDS_FIELD not in data.keys() or MOE_ROUTING_FIELD in data.keys() or "routed_experts" in data.keys():
         return False
-    moe, offsets = _checked_moe_rows(data, layout, kv_batch_get, reader)
-    dtype = torch.uint8 if layout.num_experts <= 256 else torch.int16
-    data[MOE_ROUTING_FIELD] = torch.nested.nested_tensor_from_jagged(
-        moe.to(dtype).to(data["input_ids"].device), offsets
-    )
+    moe, offsets = _checked_moe_rows(data, layout, kv_batch_get, reader, _moe_dtype(layout))
+    data[MOE_ROUTING_FIELD] = torch.nested.nested_tensor_from_jagged(moe.to(data["input_ids"].device), offsets)
     return True
 
 
+def _moe_dtype(layout: RoutingLayout) -> torch.dtype:
+    """uint8 up to 256 experts, else int16 (torch's uint16 lacks the indexing and comparison kernels used here)."""
+    return torch.uint8 if layout.num_experts <= 256 else torch.int16
+
+
 def _checked_moe_rows(
-    data: Any, layout: RoutingLayout, kv_batch_get: Any, reader: SharedRowReader | None
+    data: Any, layout: RoutingLayout, kv_batch_get: Any, reader: SharedRowReader | None, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batch's rows ``[tokens, num_moe_layers, top_k]`` (int64) over ``input_ids``' offsets, ids checked."""
+    """The batch's rows ``[tokens, num_moe_layers, top_k]`` as ``dtype`` over ``input_ids``' offsets, ids checked."""
     input_ids = data["input_ids"]
     if not input_ids.is_nested:
         raise RowCountError("expanding compact routing needs jagged input_ids (verl's V1 / TransferQueue batches)")
     merged = merged_sample_rows(data, kv_batch_get, layout, reader)
     parts = unbind_integer(data[IDS_FIELD], IDS_FIELD) if merged is None else merged[0]
     offsets = input_ids.offsets()
-    return _moe_rows(data, parts, offsets.cpu(), layout), offsets
+    return _moe_rows(data, parts, offsets.cpu(), layout, dtype), offsets
 
 
-def _moe_rows(data: Any, parts: list[torch.Tensor], offsets: torch.Tensor, layout: RoutingLayout) -> torch.Tensor:
-    """The batch's routing as ``[tokens, num_moe_layers, top_k]`` int64 over ``offsets``, zero rows without data."""
+def _moe_rows(
+    data: Any, parts: list[torch.Tensor], offsets: torch.Tensor, layout: RoutingLayout, dtype: torch.dtype
+) -> torch.Tensor:
+    """The batch's routing as ``[tokens, num_moe_layers, top_k]`` ``dtype`` over ``offsets``, zero rows without
+    data."""
     spans = span_pairs(data[SPAN_FIELD], SPAN_FIELD)
     if len(parts) != spans.shape[0]:
         raise RowCountError(f"{len(parts)} routing entries but {spans.shape[0]} spans")
@@ -182,7 +187,7 @@ def _moe_rows(data: Any, parts: list[torch.Tensor], offsets: torch.Tensor, layou
         raise RowCountError(f"{len(parts)} routing entries for {lengths.numel()} sequences")
     keep = _drop_padding_samples(data, spans, lengths)
     kept = [part for part, k in zip(parts, keep, strict=True) if k]
-    out = torch.zeros(int(offsets[-1]), layout.num_moe_layers, layout.top_k, dtype=torch.long)
+    out = torch.zeros(int(offsets[-1]), layout.num_moe_layers, layout.top_k, dtype=dtype)
     if not kept:
         return out
     values = torch.cat([part.detach().cpu() for part in kept])
@@ -201,7 +206,7 @@ def _moe_rows(data: Any, parts: list[torch.Tensor], offsets: torch.Tensor, layou
     first = (offsets[:-1] + spans[:, 0])[mask]  # where each kept sample's first routed row lands
     sample = torch.repeat_interleave(torch.arange(counts.numel()), counts)
     position = first[sample] + torch.arange(values.shape[0]) - (counts.cumsum(0) - counts)[sample]
-    out[position] = values.to(torch.long)
+    out[position] = values.to(dtype)  # checked above: every id fits (uint8 only up to 256 experts)
     return out
 
 
