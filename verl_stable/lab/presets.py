@@ -176,8 +176,8 @@ PRESETS: dict[str, Preset] = {
             steps=8,
             seeds=(0, 1, 2),
         ),
-        # MiniRL + R3 against verl's own answers at each staleness regime: on-policy (mismatch only), N = 4 and N = 8
-        # (mismatch + staleness); 3 seeds each
+        # MiniRL + R3 against verl's own answers at each staleness regime (<= 60 min on 2 cores): on-policy (mismatch
+        # only), N = 4 and N = 8 (mismatch + staleness); 3 seeds each
         Preset(
             "baselines",
             runs=tuple((v, n) for n in (1, 4, 8) for v in ("minirl_r3", "verl_tis", "dppo", "vanilla_grpo")),
