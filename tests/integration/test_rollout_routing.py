@@ -281,6 +281,37 @@ def test_the_fsdp_actors_moe_rows_are_verls_rows_on_the_moe_layers_without_the_d
     assert not attach_moe_routing(recorded, LAYOUT) and MOE_ROUTING_FIELD not in recorded.keys()
 
 
+def test_the_moe_rows_are_int16_beyond_256_experts_and_refused_beyond_int16():
+    """Hand-computed ids above uint8's range survive the detour-free path exactly; a layout whose ids int16 cannot hold
+    (as verl's own form cannot) is refused before anything is written, never wrapped."""
+    wide = RoutingLayout("qwen3_moe", "qwen3_moe", 3, (0, 2), 2, 300)
+    ids = np.zeros((6, 3, 2), dtype=np.int16)  # prompt 4 + response 3 - 1 rows, layer 1 dense
+    ids[:, 0] = [[299, 0], [256, 257], [1, 298], [42, 260], [3, 299], [7, 8]]
+    ids[:, 2] = [[298, 299], [0, 1], [255, 256], [100, 200], [270, 5], [9, 10]]
+    samples = []
+    for response in ([9, 10, 11], [9, 10]):  # two lengths: verl makes equal-length samples dense, not jagged
+        output = AgentLoopOutput(
+            prompt_ids=[5, 6, 7, 8],
+            response_ids=response,
+            response_mask=[1] * len(response),
+            routed_experts=ids[: 4 + len(response) - 1],
+            metrics=AgentLoopMetrics(),
+        )
+        d = rollout.compact_agent_loop_output(output, wide).as_dict()
+        d["input_ids"] = torch.cat([d["prompts"], d["responses"]])
+        samples.append({k: v for k, v in d.items() if isinstance(v, torch.Tensor)})
+    batch = list_of_dict_to_tensordict(samples)
+    assert attach_moe_routing(batch, wide)
+    for got, tokens in zip(batch[MOE_ROUTING_FIELD].unbind(), (7, 6), strict=True):
+        assert got.dtype == torch.int16 and got.shape == (tokens, 2, 2)
+        assert torch.equal(got[:-1], torch.from_numpy(ids[: tokens - 1][:, [0, 2]])) and not got[-1].any()
+    huge = RoutingLayout("qwen3_moe", "qwen3_moe", 3, (0, 2), 2, 40_000)
+    fresh = list_of_dict_to_tensordict(samples)
+    with pytest.raises(ExpertIdRangeError, match="int16 holds expert ids up to 32767, the model has 40000 experts"):
+        attach_moe_routing(fresh, huge)
+    assert MOE_ROUTING_FIELD not in fresh.keys()
+
+
 def test_actor_expansion_names_the_sample_whose_routing_is_corrupt():
     """The actor validates a batch's rows in one pass; a bad id is then located and named per sample."""
     rng = np.random.default_rng(9)

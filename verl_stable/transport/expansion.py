@@ -58,7 +58,8 @@ COMPACT_FIELDS = (IDS_FIELD, SPAN_FIELD, PROMPT_REF_FIELD, BOUNDARY_FIELD)
 
 MOE_ROUTING_FIELD = "stable_moe_routing"
 """The actor's checked MoE-layer rows (:func:`attach_moe_routing`): jagged ``[B, tokens_i, num_moe_layers, top_k]``
-in the compact storage dtype (uint8 up to 256 experts, else int16), one row per token of ``input_ids``."""
+uint8 up to 256 experts, int16 beyond (verl's own width: at most 32768 experts), one row per token of
+``input_ids``."""
 
 
 def _sequence_lengths(data: Any) -> list[int]:
@@ -138,7 +139,7 @@ def attach_moe_routing(
     """Actor side, per (mini-)batch: add :data:`MOE_ROUTING_FIELD` from the compact fields, in place.
 
     The field is jagged ``[B, (prompt_len_i + response_len_i), num_moe_layers, top_k]`` aligned with the jagged
-    ``input_ids``, in the compact storage dtype, zero rows where nothing was recorded. Shared prompt rows are put in
+    ``input_ids``, uint8 up to 256 experts and int16 beyond, zero rows where nothing was recorded. Shared prompt rows are put in
     front of each sample's own rows first (:func:`~.side_rows.merged_sample_rows`: through the rank's ``reader`` if
     given, else one ``kv_batch_get`` of the batch's groups, default TransferQueue's); verl's synthetic padding samples
     get no routing. The whole batch is validated and scattered in one pass, not sample by sample (this runs at every
@@ -148,13 +149,16 @@ def attach_moe_routing(
     """
     if IDS_FIELD not in data.keys() or MOE_ROUTING_FIELD in data.keys() or "routed_experts" in data.keys():
         return False
-    moe, offsets = _checked_moe_rows(data, layout, kv_batch_get, reader, _moe_dtype(layout))
+    dtype = _moe_dtype(layout)
+    check_wire_width(torch.empty(0, dtype=dtype).numpy().dtype, layout.num_experts, MOE_ROUTING_FIELD)
+    moe, offsets = _checked_moe_rows(data, layout, kv_batch_get, reader, dtype)
     data[MOE_ROUTING_FIELD] = torch.nested.nested_tensor_from_jagged(moe.to(data["input_ids"].device), offsets)
     return True
 
 
 def _moe_dtype(layout: RoutingLayout) -> torch.dtype:
-    """uint8 up to 256 experts, else int16 (torch's uint16 lacks the indexing and comparison kernels used here)."""
+    """uint8 up to 256 experts, else int16 (torch's uint16 lacks the indexing and comparison kernels used here), as
+    verl's own form: a model with more than 32768 experts is refused by the caller's width check, not wrapped."""
     return torch.uint8 if layout.num_experts <= 256 else torch.int16
 
 
