@@ -7,7 +7,6 @@ import math
 import pytest
 
 from verl_stable.lab import report as R
-from verl_stable.lab import stats
 
 
 def _row(variant, n, step, reward, seed=0, **extra):
@@ -125,8 +124,14 @@ def test_answer_table_states_a_switch_only_where_the_paired_test_finds_it():
     results = R.switch_results(R.summarize(rows))
     (r3,) = results
     verdicts = {c.metric: c.verdict for c, _ in r3.comparisons}
-    # KL judged on each run's median step; no entropy logged
-    assert verdicts == {"kl_k3_median": "lower", "clip_frac": "lower", "late_reward": "no effect"}
+    # KL judged at step 1 (here every step's KL is the run's), the median step shown; no entropy logged
+    assert verdicts == {
+        "kl_k3_first": "lower",
+        "clip_frac": "lower",
+        "late_reward": "no effect",
+        "kl_k3_median": "lower",
+    }
+    assert {m for m, d in r3.switch.judged if d} == {"kl_k3_first", "clip_frac", "late_reward"}
     table = R.answer_table(results)
     assert "| off-policy N = 4: mismatch + staleness | R3 | **yes** |" in table
     assert "KL(mu‖pi_old) k3 2.5e-05 [1.5e-05, 4.1e-05] vs 1.0e-03" in table  # geometric means, log-scale intervals
@@ -140,28 +145,42 @@ def test_answer_table_states_a_switch_only_where_the_paired_test_finds_it():
     assert "per-seed log10 differences [-1.7, -1.6, -1.56]" in lines
 
 
-def test_the_judged_kl_is_the_median_step_so_one_spike_does_not_decide():
+def test_the_judged_kl_is_step_one_where_both_arms_share_weights_and_a_later_spike_does_not_decide():
     rows = []
-    for seed, kl in enumerate([1e-3, 2e-3, 1.5e-3]):
-        rows += [_row("minirl", 4, step, 0.3, seed=seed, **{"stable/train_inf/kl_k3": kl}) for step in (1, 2, 3, 4)]
-    for seed in range(3):  # R3's seed 2 spikes to 0.1 on one step of four
+    for seed, kl in enumerate([1e-3, 2e-3, 1.5e-3]):  # step 1, then 5e-4 on every later step
+        rows += [
+            _row("minirl", 4, step, 0.3, seed=seed, **{"stable/train_inf/kl_k3": kl if step == 1 else 5e-4})
+            for step in (1, 2, 3, 4)
+        ]
+    for seed in range(3):  # R3: 1e-4, but seed 2's trajectory spikes to 0.1 once and then sits at 2e-3, above minirl
         for step in (1, 2, 3, 4):
-            kl = 0.1 if (seed, step) == (2, 3) else 1e-4
+            kl = {(2, 2): 2e-3, (2, 3): 0.1, (2, 4): 2e-3}.get((seed, step), 1e-4)
             rows.append(_row("minirl_r3", 4, step, 0.3, seed=seed, **{"stable/train_inf/kl_k3": kl}))
     spiky = R.summarize_run(R.group_runs(rows)[("minirl_r3", 4, 2)])
-    assert spiky.kl_k3 == pytest.approx((3e-4 + 0.1) / 4)  # the mean: the spike over the step count, 250x the rest
-    assert spiky.kl_k3_median == pytest.approx(1e-4)  # the median: the spike does not move it
+    assert spiky.kl_k3 == pytest.approx((1e-4 + 4e-3 + 0.1) / 4)  # the mean: the spike over the step count
+    assert spiky.kl_k3_median == pytest.approx(2e-3)  # the median: not the spike, but the trajectory's own level
+    assert spiky.kl_k3_first == pytest.approx(1e-4)  # step 1: both arms still on the same weights
     (r3,) = R.switch_results(R.summarize(rows))
-    (kl,) = [c for c, _ in r3.comparisons if c.metric == "kl_k3_median"]
-    # log10 differences -1, -1.301, -1.176: mean -1.159, sd 0.1512, t = -13.28, p = 0.0056
-    assert kl.diffs == pytest.approx((-1.0, -math.log10(20), -math.log10(15)))
-    assert kl.verdict == "lower" and kl.paired.p == pytest.approx(0.0056, abs=1e-4)
-    # the same comparison on the runs' mean KL: the spiking seed reverses the sign, nothing is found
-    cells = R.summarize(rows)
-    on, off = (c.per_seed["kl_k3"] for c in cells)
-    assert stats.compare("kl_k3", "minirl_r3", off, "minirl", on, log=True).verdict == "no effect"
-    table = R.table(cells)
-    assert "median-step KL(mu‖pi_old) k3" in table.splitlines()[0]
+    kl = {c.metric: c for c, _ in r3.comparisons}
+    # step 1: log10 differences -1, -1.301, -1.176: mean -1.159, sd 0.1512, t = -13.28, p = 0.0056
+    assert kl["kl_k3_first"].diffs == pytest.approx((-1.0, -math.log10(20), -math.log10(15)))
+    assert kl["kl_k3_first"].verdict == "lower" and kl["kl_k3_first"].paired.p == pytest.approx(0.0056, abs=1e-4)
+    # the median step, shown: seed 2's trajectory above minirl's reverses its sign, nothing is found there
+    assert kl["kl_k3_median"].diffs == pytest.approx((math.log10(0.2), math.log10(0.2), math.log10(4)))
+    assert kl["kl_k3_median"].verdict == "no effect"
+    assert "| R3 | **yes** | step-1 KL(mu‖pi_old) k3" in R.answer_table([r3])
+    table = R.table(R.summarize(rows))
+    assert "median-step KL(mu‖pi_old) k3 | step-1 KL(mu‖pi_old) k3" in table.splitlines()[0]
+
+
+def test_a_run_without_a_logged_step_one_has_no_step_one_kl():
+    rows = [_row("minirl", 4, step, 0.3, seed=0, **{"stable/train_inf/kl_k3": 1e-3}) for step in (2, 3)]
+    rows.append(_row("minirl", 4, 1, 0.3, seed=1))  # step 1 logged without the KL, steps 2-3 with it
+    rows += [_row("minirl", 4, step, 0.3, seed=1, **{"stable/train_inf/kl_k3": 2e-3}) for step in (2, 3)]
+    runs = R.group_runs(rows)
+    for key in (("minirl", 4, 0), ("minirl", 4, 1)):
+        s = R.summarize_run(runs[key])
+        assert s.kl_k3_first is None and s.kl_k3_median is not None
 
 
 def test_disjoint_seeds_are_compared_unpaired_and_no_seed_is_said_to_agree():
@@ -170,7 +189,7 @@ def test_disjoint_seeds_are_compared_unpaired_and_no_seed_is_said_to_agree():
     results = R.switch_results(R.summarize(rows))
     (r3,) = results
     assert all(c.paired is None and c.diffs == () for c, _ in r3.comparisons)
-    kl = next(c for c, _ in r3.comparisons if c.metric == "kl_k3_median")
+    kl = next(c for c, _ in r3.comparisons if c.metric == "kl_k3_first")
     assert kl.verdict == "lower" and kl.reason.startswith("seeds not paired (no seed in common): Welch t-test")
     text = R.answer_table(results) + "\n".join(R.comparison_lines(results))
     assert "every seed" not in text and "agree" not in text and "unpaired (seeds not shared)" in text

@@ -3,7 +3,7 @@
 This module assembles the report from its parts and is where callers import it from:
 
 * :mod:`verl_stable.lab.summaries`: rows (checked) -> one summary per run -> one cell per (variant, N) holding a
-  number per seed (late reward, final entropy, KL(mu||pi_old) mean and median step, F(2), routing disagreement,
+  number per seed (late reward, final entropy, KL(mu||pi_old) mean, median step and step 1, F(2), routing disagreement,
   clipped fraction);
 * :mod:`verl_stable.lab.outcomes`: the sweep's record of each run (retried, failed, why);
 * :mod:`verl_stable.lab.switches`: each switch of the paper (the IS weight, R2, R3, clipping, VESPO) at each N, and

@@ -10,8 +10,8 @@ from verl_stable.lab.summaries import LABELS, LOG_SCALE, CellSummary, cells_of
 from verl_stable.lab.switches import SwitchResult, regime_name
 
 RULE = (
-    "A switch is **needed** when, with it on, the median-step KL(mu‖pi_old) or the clipped fraction is lower, or the "
-    "late reward higher, by a paired t-test on the per-seed differences (the runs of one seed share data order and "
+    "A switch is **needed** when, with it on, the step-1 KL(mu‖pi_old) (both runs of a seed on the same weights and "
+    "samples) or the clipped fraction is lower, or the late reward higher, by a paired t-test on the per-seed differences (the runs of one seed share data order and "
     f"sampling seeds; KL on log10) at p < {ALPHA}; by Welch's t-test when the two sides share no seed. Otherwise: 'no "
     f"effect measured (none larger than X)', X the smallest difference the design detects with {POWER:.0%} power. "
     "Beside each verdict: the exact sign-flip p, the effect size (mean difference / sd of the differences) and the "
@@ -51,13 +51,14 @@ TABLE_FIELDS = (
     "final_entropy",
     "kl_k3",
     "kl_k3_median",
+    "kl_k3_first",
     "f2",
     "clip_frac",
     "routing_disagreement",
     "routing_layer_max",
     "router_disagreement",
 )
-DIGITS = {"kl_k3": 0, "kl_k3_median": 0, "f2": 4}  # 0: scientific (KL spans decades)
+DIGITS = {"kl_k3": 0, "kl_k3_median": 0, "kl_k3_first": 0, "f2": 4}  # 0: scientific (KL spans decades)
 
 
 def table(cells: Sequence[CellSummary]) -> str:

@@ -5,17 +5,20 @@ Input rows are verl's logged metrics per step, tagged with ``variant``, ``stalen
 mistyped. Every metric is read under the name verl / verl-stable logs it (:data:`METRICS`, first key present wins).
 
 Each run is summarised by one number per metric (:func:`summarize_run`): late reward (mean batch reward
-``critic/score/mean`` over the last half of the steps), final entropy (``stable/entropy/mean``), the mean and the
-median over the steps of KL(mu || pi_old) (k3, ``E_mu[r - 1 - log r]``, ``r = pi_old / mu``), and the means over the
+``critic/score/mean`` over the last half of the steps), final entropy (``stable/entropy/mean``), the mean, the
+median over the steps and step 1's value of KL(mu || pi_old) (k3, ``E_mu[r - 1 - log r]``, ``r = pi_old / mu``), and the means over the
 steps of F(2) (fraction of tokens with ``pi_old / mu`` outside ``[1/2, 2]``), the routing disagreement (rows whose used
 experts differ from the rollout's, or pi_old's under R2), the router's own disagreement (what replay hides) and the
 clipped fraction. A (variant, N) cell (:class:`CellSummary`) holds one such number per seed. A variant in verl's
 bypass mode (pi_old is the rollout's log-probs: :data:`PI_OLD_IS_ROLLOUT`) has no KL(mu || pi_old) or F(2).
 
-The median step's KL is the per-run KL that comparisons judge: a run's mean KL is one spiking step (a routing flip
-can raise a step's KL 100x) divided by the step count, while the median does not move for a single spike among three
-or more steps. The median rather than the geometric mean: the geometric mean still moves with a spike (by
-``spike^(1/T)``) and is undefined for a step whose k3 is logged as 0.
+Step 1's KL (``kl_k3_first``) is the per-run KL that the replay switches are judged on: at step 1 the two runs of a
+seed have the same weights, prompts and samples, so their difference is the switch alone, measured on the same tokens.
+Later steps compare two trajectories: once the arms' weights differ, a routing flip on one of them can raise a step's
+KL 100x (a spike the switch did not cause), and the per-seed differences spread ~20x wider (docs/lab.md, "What the
+lab found"). What the later steps add is shown beside it: the median step's KL (robust to one spiking step among
+three or more, where the mean is one spike divided by the step count; not the geometric mean, which still moves by
+``spike^(1/T)`` and is undefined for a step logged as 0) and the mean.
 """
 
 from __future__ import annotations
@@ -149,6 +152,7 @@ class RunSummary:
     guard_fired: tuple[str, ...]
     late_reward: float | None = None
     kl_k3_median: float | None = None  # the median step's KL: robust to one spiking step (module docstring)
+    kl_k3_first: float | None = None  # step 1's KL: both arms of a seed on the same weights and samples
     routing_layer_max: float | None = None
     routing_token_any_layer: float | None = None
     steps_redone: int = 0  # rows a guard rollback superseded (summarize_run)
@@ -183,6 +187,7 @@ def summarize_run(rows: Sequence[Mapping]) -> RunSummary:
         guard_fired=tuple(fired),
         late_reward=_mean(metric(r, "reward") for r in rows[len(rows) // 2 :]),
         kl_k3_median=_median(metric(r, "kl_k3") for r in rows),
+        kl_k3_first=next((metric(r, "kl_k3") for r in rows if r["step"] == 1), None),
         routing_layer_max=_mean(metric(r, "routing_layer_max") for r in rows),
         routing_token_any_layer=_mean(metric(r, "routing_token_any_layer") for r in rows),
         steps_redone=redone,
@@ -205,6 +210,7 @@ SUMMARY_FIELDS = (
     "final_entropy",
     "kl_k3",
     "kl_k3_median",
+    "kl_k3_first",
     "f2",
     "routing_disagreement",
     "routing_layer_max",
@@ -219,6 +225,7 @@ LABELS = {
     "final_entropy": "final entropy",
     "kl_k3": "KL(mu‖pi_old) k3",
     "kl_k3_median": "median-step KL(mu‖pi_old) k3",
+    "kl_k3_first": "step-1 KL(mu‖pi_old) k3",
     "f2": "F(2)",
     "routing_disagreement": "routing disagreement",
     "routing_layer_max": "routing disagreement, worst layer",
@@ -226,7 +233,7 @@ LABELS = {
     "router_disagreement": "router's own disagreement",
     "clip_frac": "clipped fraction",
 }
-LOG_SCALE = ("kl_k3", "kl_k3_median")
+LOG_SCALE = ("kl_k3", "kl_k3_median", "kl_k3_first")
 """Compared on log10: a run's KL spans decades across seeds (one routing flip can spike a step's KL 100x)."""
 
 
