@@ -11,8 +11,8 @@ from verl_stable.lab.switches import SwitchResult, regime_name
 
 RULE = (
     "A switch is **needed** when, with it on, the step-1 KL(mu‖pi_old) (both runs of a seed on the same weights and "
-    "samples) or the clipped fraction is lower, or the late reward higher, by a paired t-test on the per-seed differences (the runs of one seed share data order and "
-    f"sampling seeds; KL on log10) at p < {ALPHA}; by Welch's t-test when the two sides share no seed. Otherwise: 'no "
+    "samples) or the clipped fraction is lower, or the late reward higher, by a paired t-test on the per-seed "
+    f"differences (the runs of one seed share data order and sampling seeds; KL on log10) at p < {ALPHA}; by Welch's t-test when the two sides share no seed. Otherwise: 'no "
     f"effect measured (none larger than X)', X the smallest difference the design detects with {POWER:.0%} power. "
     "Beside each verdict: the exact sign-flip p, the effect size (mean difference / sd of the differences) and the "
     "unpaired Welch p. A comparison that lacks a seed (its run failed) says which."

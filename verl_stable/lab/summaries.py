@@ -5,20 +5,19 @@ Input rows are verl's logged metrics per step, tagged with ``variant``, ``stalen
 mistyped. Every metric is read under the name verl / verl-stable logs it (:data:`METRICS`, first key present wins).
 
 Each run is summarised by one number per metric (:func:`summarize_run`): late reward (mean batch reward
-``critic/score/mean`` over the last half of the steps), final entropy (``stable/entropy/mean``), the mean, the
-median over the steps and step 1's value of KL(mu || pi_old) (k3, ``E_mu[r - 1 - log r]``, ``r = pi_old / mu``), and the means over the
-steps of F(2) (fraction of tokens with ``pi_old / mu`` outside ``[1/2, 2]``), the routing disagreement (rows whose used
-experts differ from the rollout's, or pi_old's under R2), the router's own disagreement (what replay hides) and the
-clipped fraction. A (variant, N) cell (:class:`CellSummary`) holds one such number per seed. A variant in verl's
+``critic/score/mean`` over the last half of the steps), final entropy (``stable/entropy/mean``), the mean, the median
+over the steps and step 1's value of KL(mu || pi_old) (k3, ``E_mu[r - 1 - log r]``, ``r = pi_old / mu``), and the means
+over the steps of F(2) (fraction of tokens with ``pi_old / mu`` outside ``[1/2, 2]``), the routing disagreement (rows
+whose used experts differ from the rollout's, or pi_old's under R2), the router's own disagreement (what replay hides)
+and the clipped fraction. A (variant, N) cell (:class:`CellSummary`) holds one such number per seed. A variant in verl's
 bypass mode (pi_old is the rollout's log-probs: :data:`PI_OLD_IS_ROLLOUT`) has no KL(mu || pi_old) or F(2).
 
-Step 1's KL (``kl_k3_first``) is the per-run KL that the replay switches are judged on: at step 1 the two runs of a
-seed have the same weights, prompts and samples, so their difference is the switch alone, measured on the same tokens.
-Later steps compare two trajectories: once the arms' weights differ, a routing flip on one of them can raise a step's
-KL 100x (a spike the switch did not cause), and the per-seed differences spread ~20x wider (docs/lab.md, "What the
-lab found"). What the later steps add is shown beside it: the median step's KL (robust to one spiking step among
-three or more, where the mean is one spike divided by the step count; not the geometric mean, which still moves by
-``spike^(1/T)`` and is undefined for a step logged as 0) and the mean.
+Step 1's KL (``kl_k3_first``) is the per-run KL that the replay switches are judged on: at step 1 the two runs of a seed
+have the same weights, prompts and samples, so their difference is the switch alone, measured on the same tokens. Later
+steps compare two trajectories: once the arms' weights differ, a routing flip on one of them can raise a step's KL 100x,
+a spike the switch did not cause (docs/lab.md, "Statistics"). What the later steps add is shown beside it: the median
+step's KL (robust to one spiking step among three or more, where the mean is one spike divided by the step count; not
+the geometric mean, which still moves by ``spike^(1/T)`` and is undefined for a step logged as 0) and the mean.
 """
 
 from __future__ import annotations

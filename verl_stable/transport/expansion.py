@@ -139,13 +139,13 @@ def attach_moe_routing(
     """Actor side, per (mini-)batch: add :data:`MOE_ROUTING_FIELD` from the compact fields, in place.
 
     The field is jagged ``[B, (prompt_len_i + response_len_i), num_moe_layers, top_k]`` aligned with the jagged
-    ``input_ids``, uint8 up to 256 experts and int16 beyond, zero rows where nothing was recorded. Shared prompt rows are put in
-    front of each sample's own rows first (:func:`~.side_rows.merged_sample_rows`: through the rank's ``reader`` if
-    given, else one ``kv_batch_get`` of the batch's groups, default TransferQueue's); verl's synthetic padding samples
-    get no routing. The whole batch is validated and scattered in one pass, not sample by sample (this runs at every
-    actor call); an invalid batch is checked again per sample to name the sample. A batch that already carries verl's
-    ``routed_experts`` (R2's recording of pi_old, made by ``compute_log_prob``) keeps it: nothing is added. Returns
-    True when it added the field.
+    ``input_ids``, uint8 up to 256 experts and int16 beyond, zero rows where nothing was recorded. Shared prompt rows
+    are put in front of each sample's own rows first (:func:`~.side_rows.merged_sample_rows`: through the rank's
+    ``reader`` if given, else one ``kv_batch_get`` of the batch's groups, default TransferQueue's); verl's synthetic
+    padding samples get no routing. The whole batch is validated and scattered in one pass, not sample by sample (this
+    runs at every actor call); an invalid batch is checked again per sample to name the sample. A batch that already
+    carries verl's ``routed_experts`` (R2's recording of pi_old, made by ``compute_log_prob``) keeps it: nothing is
+    added. Returns True when it added the field.
     """
     if IDS_FIELD not in data.keys() or MOE_ROUTING_FIELD in data.keys() or "routed_experts" in data.keys():
         return False
