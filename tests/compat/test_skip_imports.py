@@ -1,5 +1,5 @@
 """``VERL_STABLE_SKIP_IMPORTS``: packages a run will not use are refused, verl takes that as "engine not available",
-and the CPU launcher asks for it only for runs that never mention Megatron."""
+and the CPU launcher asks for megatron-core only in runs that never mention Megatron, for vLLM only in ``hf`` rollouts."""
 
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ def test_install_is_idempotent_and_refuses_a_package_already_imported(fake_packa
 def test_the_variable_is_parsed_strictly():
     assert si.requested({}) == ()
     assert si.requested({si.ENV_SKIP_IMPORTS: " megatron , megatron,"}) == ("megatron",)
-    with pytest.raises(ValueError, match=r"unknown groups \['megatorn'\]; known: megatron"):
+    assert si.requested({si.ENV_SKIP_IMPORTS: "vllm,megatron"}) == ("vllm", "megatron")
+    with pytest.raises(ValueError, match=r"unknown groups \['megatorn'\]; known: megatron, vllm"):
         si.requested({si.ENV_SKIP_IMPORTS: "megatorn"})
     with pytest.raises(ValueError, match="unknown skip groups"):
         si.install(["nope"])
@@ -71,6 +72,8 @@ _VERL_PROCESS = textwrap.dedent(
     import json, sys
     import verl  # loads the plugin, whose first step installs the finder
     import verl.workers.engine as engines
+    import verl.experimental.agent_loop  # imports verl's checkpoint engines, one of which imports vllm.distributed
+    from verl.checkpoint_engine import base as ckpt_base
     from verl.workers.engine.base import EngineRegistry
     from verl_stable.integration import plugin
     from verl_stable.cpu import engines as cpu_engines
@@ -80,7 +83,8 @@ _VERL_PROCESS = textwrap.dedent(
     except ImportError as exc:
         refused = str(exc)
     print(json.dumps({
-        "loaded": sorted(m for m in sys.modules if m.split(".")[0] in ("megatron", "mbridge")),
+        "loaded": sorted(m for m in sys.modules if m.split(".")[0] in ("megatron", "mbridge", "vllm")),
+        "hccl_error": str(ckpt_base.CheckpointEngineRegistry._import_errors.get("hccl_checkpoint_engine")),
         "verl_megatron": getattr(engines, "MegatronEngineWithLMHead", None) is not None,
         "fsdp": "fsdp" in EngineRegistry._engines["language_model"],
         "steps": {k: [s.ok, s.registered[:1]] for k, s in plugin.STATUS.items()},
@@ -91,8 +95,8 @@ _VERL_PROCESS = textwrap.dedent(
 )
 
 
-def test_a_verl_process_with_the_variable_never_imports_megatron_and_builds_fsdp_engines():
-    env = {**os.environ, "VERL_PLATFORM": "cpu", si.ENV_SKIP_IMPORTS: "megatron"}
+def test_a_verl_process_with_the_variable_never_imports_megatron_or_vllm_and_builds_fsdp_engines():
+    env = {**os.environ, "VERL_PLATFORM": "cpu", si.ENV_SKIP_IMPORTS: "megatron,vllm"}
     proc = subprocess.run(
         [sys.executable, "-c", _VERL_PROCESS], env=env, capture_output=True, text=True, timeout=300, check=False
     )
@@ -101,9 +105,11 @@ def test_a_verl_process_with_the_variable_never_imports_megatron_and_builds_fsdp
     assert out["loaded"] == [] and not out["verl_megatron"] and not out["installed"]
     assert out["fsdp"]
     assert all(ok for ok, _ in out["steps"].values()), out["steps"]
-    assert out["steps"]["skip_imports"][1] == ["skip-import:megatron"]
+    assert out["steps"]["skip_imports"][1] == ["skip-import:megatron"]  # the first of the three refused packages
+    # verl takes the refused vllm as "checkpoint engine not available", with the variable named in its record
+    assert out["hccl_error"].startswith("vllm not imported: VERL_STABLE_SKIP_IMPORTS=megatron,vllm")
     assert out["steps"]["megatron_replay_metrics"][1][0].startswith("skipped: verl's Megatron engine is not importable")
-    assert "VERL_STABLE_SKIP_IMPORTS=megatron (verl-stable) keeps it out" in out["refused"]
+    assert "VERL_STABLE_SKIP_IMPORTS=megatron,vllm (verl-stable) keeps it out" in out["refused"]
 
 
 @pytest.mark.parametrize(
@@ -117,6 +123,32 @@ def test_a_verl_process_with_the_variable_never_imports_megatron_and_builds_fsdp
 )
 def test_megatron_is_recognised_in_overrides(overrides, expected):
     assert tp.mentions_megatron(overrides) is expected
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["actor_rollout_ref.rollout.name=hf", "trainer.device=cpu"], False),
+        (["trainer.device=cpu"], True),  # verl's default rollout is vLLM
+        (["actor_rollout_ref.rollout.name=vllm"], True),
+        (["actor_rollout_ref.rollout.name=hf", "+actor_rollout_ref.rollout.engine_kwargs.vllm.x=1"], True),
+        (["actor_rollout_ref.rollout.name=hf", "reward.reward_model.enable=True"], True),
+        (["actor_rollout_ref.rollout.name=hf", "reward.reward_model.enable=False"], False),
+        (["actor_rollout_ref.rollout.name=hf", "+distillation.teacher_models.t0.enable=true"], True),
+    ],
+)
+def test_vllm_stays_importable_unless_the_rollout_is_hf_and_nothing_else_may_serve_with_vllm(overrides, expected):
+    assert tp.rollout_needs_vllm(overrides) is expected
+
+
+def test_the_skip_groups_are_the_packages_a_run_does_not_need():
+    assert tp.skip_groups(["actor_rollout_ref.rollout.name=hf"]) == ("megatron", "vllm")
+    assert tp.skip_groups(["actor_rollout_ref.rollout.name=vllm"]) == ("megatron",)
+    assert tp.skip_groups(["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.actor.strategy=megatron"]) == (
+        "vllm",
+    )
+    assert tp.skip_groups(["actor_rollout_ref.actor.strategy=megatron"]) == ()
+    assert all(g in si.GROUPS for g in tp.skip_groups(["actor_rollout_ref.rollout.name=hf"]))
 
 
 def test_megatron_is_recognised_in_the_named_config_file(tmp_path_factory):
@@ -150,5 +182,8 @@ def test_the_launcher_skips_megatron_only_for_runs_that_never_mention_it(monkeyp
     assert f"++{tp.JOB_ENV_KEY}.{si.ENV_SKIP_IMPORTS}='megatron'" in fsdp["cmd"]
     megatron = _launched_env(monkeypatch, tmp_path, ["actor_rollout_ref.actor.strategy=megatron"])
     assert si.ENV_SKIP_IMPORTS not in megatron["env"]
+    hf = _launched_env(monkeypatch, tmp_path, ["actor_rollout_ref.rollout.name=hf"])
+    assert hf["env"][si.ENV_SKIP_IMPORTS] == "megatron,vllm"
+    assert f"++{tp.JOB_ENV_KEY}.{si.ENV_SKIP_IMPORTS}='megatron,vllm'" in hf["cmd"]
     chosen = _launched_env(monkeypatch, tmp_path, ["trainer.total_training_steps=1"], {si.ENV_SKIP_IMPORTS: ""})
     assert chosen["env"][si.ENV_SKIP_IMPORTS] == ""  # the caller's choice, even empty, wins

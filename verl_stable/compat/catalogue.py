@@ -128,10 +128,12 @@ PATCHES: tuple[Patch, ...] = (
         "sys.meta_path",
         "process",
         "verl_stable.compat.skip_imports",
-        "verl's engine package imports its Megatron engine (megatron-core, ~1.9 s) in every process wherever "
-        "megatron-core is installed, also in runs that never build it; VERL_STABLE_SKIP_IMPORTS=megatron (set by the "
-        "CPU launcher for non-Megatron runs) refuses the import, which verl takes as 'engine not available'",
-        "verl imports optional engines on first lookup in its EngineRegistry instead of at package import",
+        "verl's engine package imports its Megatron engine (megatron-core, ~1.9 s) and its checkpoint-engine package "
+        "vllm.distributed (~1.3 s) in every process wherever they are installed, also in runs that use neither; "
+        "VERL_STABLE_SKIP_IMPORTS=megatron,vllm (set by the CPU launcher for the groups a run does not need) refuses "
+        "the imports, which verl takes as 'not available'",
+        "verl imports optional engines and checkpoint engines on first lookup in their registries instead of at "
+        "package import",
     ),
     Patch(
         "vllm_distribution_alias",

@@ -1,16 +1,19 @@
-"""Keep packages a run will not use from being imported: ``VERL_STABLE_SKIP_IMPORTS=megatron``.
+"""Keep packages a run will not use from being imported: ``VERL_STABLE_SKIP_IMPORTS=megatron,vllm``.
 
-verl's engine package (``verl.workers.engine.__init__``) imports every optional engine it can find, each in a
-``try``/``except ImportError``. Where megatron-core is installed, every verl process -- driver, task runner, each
-actor, rollout server and agent-loop worker -- therefore imports ``megatron.core`` (about 1.9 s of CPU per process on
-the development machine, a third of ``import verl.workers.engine``), also in an FSDP run that never builds a Megatron
-engine. With the variable set, a finder placed first on ``sys.meta_path`` refuses those packages with an
-``ImportError`` that names the variable: verl's ``try`` takes it as "engine not available" (its warning quotes the
-message), and everything else goes on as on a machine without megatron-core.
+verl imports its optional back ends wherever they are installed, each in a ``try``/``except ImportError``: the engine
+package (``verl.workers.engine.__init__``) every optional engine, megatron-core among them (about 1.9 s of CPU per
+process on the development machine, a third of ``import verl.workers.engine``); the checkpoint-engine package
+(``verl.checkpoint_engine.__init__``) its HCCL engine, which imports ``vllm.distributed`` and with it
+``torch._inductor`` (about 1.3 s). Every verl process of a run -- driver, task runner, each actor, rollout server,
+agent-loop worker -- pays for them, also in an FSDP run with the ``hf`` rollout that uses neither. With the variable
+set, a finder placed first on ``sys.meta_path`` refuses those packages with an ``ImportError`` that names the
+variable: verl's ``try`` takes it as "not available" (its warning or import-error record quotes the message), and
+everything else goes on as on a machine without them.
 
-The CPU launcher (:func:`verl_stable.toy.trainer_process.run_main_ppo`) sets it for every run whose overrides and
-config never mention Megatron; anyone else may set it the same way (it travels to Ray's workers with the job's
-environment). The plugin installs the finder first of all its steps, before anything imports verl's engines.
+The CPU launcher (:func:`verl_stable.toy.trainer_process.run_main_ppo`) sets it for the groups a run does not need
+(:func:`verl_stable.toy.trainer_process.skip_groups`); anyone else may set it the same way (it travels to Ray's
+workers with the job's environment). The plugin installs the finder first of all its steps, before anything imports
+verl's engines.
 
 Groups (:data:`GROUPS`) name the top-level packages they refuse; an unknown group name raises, so a typo never passes
 silently. :func:`skipped` is the restorable form (tests); :func:`install` / :func:`uninstall` the process form.
@@ -28,6 +31,9 @@ ENV_SKIP_IMPORTS = "VERL_STABLE_SKIP_IMPORTS"
 GROUPS: dict[str, tuple[str, ...]] = {
     # megatron-core and the bridge built on it (mbridge imports megatron.core at module level)
     "megatron": ("megatron", "mbridge"),
+    # vLLM: verl's checkpoint-engine package imports vllm.distributed (and with it torch._inductor) wherever vLLM is
+    # installed, also in runs whose rollout is another engine
+    "vllm": ("vllm",),
 }
 
 

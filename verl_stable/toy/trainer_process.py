@@ -161,6 +161,31 @@ def mentions_megatron(overrides: Sequence[str]) -> bool:
     return False
 
 
+_HF_ROLLOUT = "actor_rollout_ref.rollout.name=hf"
+# a reward model or a distillation teacher is served by its own rollout engine (vLLM by verl's default)
+_OTHER_ENGINE = re.compile(r"(reward_model|teacher)[^=]*\.enable=true", re.IGNORECASE)
+
+
+def rollout_needs_vllm(overrides: Sequence[str]) -> bool:
+    """Whether a run may import vLLM: anything but an ``hf`` rollout that nothing else asks vLLM of (conservative).
+
+    verl's default rollout is vLLM, so only an explicit ``actor_rollout_ref.rollout.name=hf`` override says a run does
+    without it; any other override mentioning vLLM, or enabling a reward model or teacher (each served by its own
+    rollout engine), keeps vLLM importable."""
+    if _HF_ROLLOUT not in overrides:
+        return True
+    return any("vllm" in item.lower() or _OTHER_ENGINE.search(item) for item in overrides)
+
+
+def skip_groups(overrides: Sequence[str]) -> tuple[str, ...]:
+    """The :data:`verl_stable.compat.skip_imports.GROUPS` a run launched with ``overrides`` does not need."""
+    return tuple(
+        group
+        for group, needed in (("megatron", mentions_megatron(overrides)), ("vllm", rollout_needs_vllm(overrides)))
+        if not needed
+    )
+
+
 _RAY_START_FAILURE = "The current node timed out during startup"
 
 RAY_TMPDIR_NAME = "ray_tmp"
@@ -234,9 +259,9 @@ def run_main_ppo(
     ``runtime_env`` (:func:`job_env`): a run joining a cluster (``+ray_kwargs.ray_init.address=...``) then has them on
     every node. The log and metrics of an earlier run in ``workdir`` are first moved aside (:func:`set_aside`; the
     folder is printed on stderr): the log is opened with mode ``"w"`` and verl's file logger opens the metrics with
-    ``"wb"``, so they would be emptied. A run whose overrides and config never mention Megatron gets
-    ``VERL_STABLE_SKIP_IMPORTS=megatron`` (unless the caller's environment sets the variable, even empty): verl's
-    processes then skip importing megatron-core, which verl would otherwise import in each of them.
+    ``"wb"``, so they would be emptied. A run gets ``VERL_STABLE_SKIP_IMPORTS`` for the packages it does not need
+    (:func:`skip_groups`: megatron-core when nothing mentions Megatron, vLLM for an ``hf`` rollout), unless the
+    caller's environment sets the variable, even empty: verl would otherwise import both in each of its processes.
     """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -245,8 +270,8 @@ def run_main_ppo(
         print(f"verl-stable: the earlier run's files in {workdir} were moved to {aside}", file=sys.stderr)
     env = cpu_env(workdir / METRICS_NAME, poll_interval_s)
     env["RAY_TMPDIR"] = str(ray_tmpdir(workdir))
-    if ENV_SKIP_IMPORTS not in env and not mentions_megatron(overrides):
-        env[ENV_SKIP_IMPORTS] = "megatron"  # saves every verl process of the run importing megatron-core
+    if ENV_SKIP_IMPORTS not in env and (groups := skip_groups(overrides)):
+        env[ENV_SKIP_IMPORTS] = ",".join(groups)  # saves every verl process of the run importing them
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides, *job_env(env, overrides)]
     for attempt in range(ray_start_retries + 1):
         with open(workdir / log_name, "w") as log:
