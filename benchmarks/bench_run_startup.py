@@ -1,0 +1,157 @@
+"""Where a verl run's start-up goes: the CPU of each of its processes, and what skipping unused imports saves.
+
+Runs the toy's GRPO through ``python -m verl.trainer.main_ppo`` on the CPU runtime (``--steps`` steps, ``hf``
+rollout) several times, alternating two conditions in ABBA order:
+
+* ``skip``: the launcher's default, ``VERL_STABLE_SKIP_IMPORTS`` chosen by
+  :func:`verl_stable.toy.trainer_process.skip_groups` (``megatron,vllm`` for this run);
+* ``none``: the variable set empty, which the launcher leaves alone (verl then imports megatron-core and vLLM in each
+  process wherever they are installed).
+
+While a run goes, a thread samples every process below this one (the driver, Ray's daemons, every Ray worker) each
+``--interval`` seconds with psutil: its role (the Ray actor class a worker becomes, else the program), when it was
+first seen, and its CPU time (user + system). Printed per condition: the run's wall time, verl's own step time (the
+sum of ``timing_s/step``), start-up and shutdown (the rest), the CPU of every process, and the ratios skip / none.
+Run it on an otherwise idle host; every number comes from one invocation.
+
+    python benchmarks/bench_run_startup.py [--steps 2] [--repeats 2] [--workdir /tmp/bench_startup]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from verl_stable.compat.skip_imports import ENV_SKIP_IMPORTS
+
+
+def _role(proc: psutil.Process) -> str | None:
+    """What a process is: the Ray actor class (or task) a worker runs, else its program; ``None`` if unknown yet."""
+    cmd = proc.cmdline()
+    if not cmd:
+        return None  # exiting: keep what it was seen as
+    head = cmd[0]
+    if head.startswith("ray::"):
+        name = head.split(":")[2] if head.count(":") >= 2 else head[len("ray::") :]
+        return name.split(".")[0] or None  # "ray::TaskRunnerV1.run" -> "TaskRunnerV1"
+    if "verl.trainer.main_ppo" in cmd:
+        return "main_ppo (driver)"
+    args = [a for a in cmd[1:] if not a.startswith("-")] if Path(head).name.startswith("python") else [head]
+    return Path(args[0]).name if args else Path(head).name
+
+
+class Sampler:
+    """Samples the CPU time of every descendant of this process until stopped."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self.procs: dict[int, dict] = {}
+        self.t0 = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        me = psutil.Process()
+        while not self._stop.is_set():
+            now = time.perf_counter() - self.t0
+            for proc in me.children(recursive=True):
+                try:
+                    with proc.oneshot():
+                        cpu = proc.cpu_times()
+                        role = _role(proc)
+                except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                    continue
+                entry = self.procs.setdefault(proc.pid, {"first_s": now, "role": role or "?", "cpu_s": 0.0})
+                entry["cpu_s"] = max(entry["cpu_s"], cpu.user + cpu.system)
+                if role and role != "IDLE" and not role.startswith(("setup_worker", "default_worker")):
+                    entry["role"] = role  # a Ray worker is named for what it runs once it runs something
+            self._stop.wait(self.interval_s)
+
+
+def one_run(workdir: Path, assets, steps: int, condition: str, interval_s: float) -> dict:  # noqa: ANN001
+    from verl_stable.toy.launch import cpu_overrides, read_metrics, run_main_ppo
+
+    ov = cpu_overrides(assets, steps=steps, metrics_logger=("file",))
+    ov.append(f"trainer.default_local_dir={workdir / 'ckpt'}")
+    before = os.environ.get(ENV_SKIP_IMPORTS)
+    if condition == "none":
+        os.environ[ENV_SKIP_IMPORTS] = ""
+    else:
+        os.environ.pop(ENV_SKIP_IMPORTS, None)
+    try:
+        with Sampler(interval_s) as sampler:
+            t0 = time.perf_counter()
+            proc = run_main_ppo(ov, workdir, timeout_s=1800)
+            wall = time.perf_counter() - t0
+    finally:
+        if before is None:
+            os.environ.pop(ENV_SKIP_IMPORTS, None)
+        else:
+            os.environ[ENV_SKIP_IMPORTS] = before
+    if proc.returncode != 0:
+        raise SystemExit(f"main_ppo failed, see {workdir / 'main_ppo.log'}")
+    steps_s = sum(m["timing_s/step"] for m in read_metrics(workdir / "metrics.jsonl"))
+    return {"wall_s": wall, "steps_s": steps_s, "procs": list(sampler.procs.values())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2, help="runs per condition (ABBA order)")
+    parser.add_argument("--interval", type=float, default=0.5, help="sampling interval, seconds")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench_startup"))
+    args = parser.parse_args()
+
+    from verl_stable.toy.assets import ensure_assets
+
+    assets = ensure_assets(args.workdir / "assets")
+    order = [c for i in range(args.repeats) for c in (("skip", "none") if i % 2 == 0 else ("none", "skip"))]
+    results: dict[str, list[dict]] = {"skip": [], "none": []}
+    for i, condition in enumerate(order):
+        res = one_run(args.workdir / f"run{i}_{condition}", assets, args.steps, condition, args.interval)
+        results[condition].append(res)
+        cpu = sum(p["cpu_s"] for p in res["procs"])
+        print(
+            f"run {i + 1}/{len(order)} {condition}: wall {res['wall_s']:.1f} s, verl's steps {res['steps_s']:.1f} s, "
+            f"CPU of its processes {cpu:.1f} s",
+            flush=True,
+        )
+
+    summary = {}
+    for condition, runs in results.items():
+        wall = statistics.median(r["wall_s"] for r in runs)
+        steps = statistics.median(r["steps_s"] for r in runs)
+        cpu = statistics.median(sum(p["cpu_s"] for p in r["procs"]) for r in runs)
+        summary[condition] = (wall, steps, cpu)
+        print(
+            f"\n{condition} ({ENV_SKIP_IMPORTS} {'as the launcher chooses' if condition == 'skip' else 'empty'}), "
+            f"median of {len(runs)}: wall {wall:.1f} s, verl's steps {steps:.1f} s, start-up and shutdown "
+            f"{wall - steps:.1f} s = {(wall - steps) / wall:.0%}; CPU of all processes {cpu:.1f} s"
+        )
+        last = runs[-1]
+        for p in sorted(last["procs"], key=lambda p: p["first_s"]):
+            if p["cpu_s"] >= 0.5:
+                print(f"  from {p['first_s']:5.1f} s  CPU {p['cpu_s']:5.1f} s  {p['role']}")
+    (ws, ss, cs), (wn, sn, cn) = summary["skip"], summary["none"]
+    print(
+        f"\nratios skip / none: wall {ws / wn:.3f}, start-up and shutdown {(ws - ss) / (wn - sn):.3f}, "
+        f"CPU {cs / cn:.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
