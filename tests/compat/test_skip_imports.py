@@ -141,6 +141,16 @@ def test_vllm_stays_importable_unless_the_rollout_is_hf_and_nothing_else_may_ser
     assert tp.rollout_needs_vllm(overrides) is expected
 
 
+def test_vllm_stays_importable_when_the_named_config_file_may_serve_a_reward_model_or_teacher(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("cfg")
+    (tmp_path / "rm.yaml").write_text("reward:\n  reward_model:\n    enable: true\n")
+    (tmp_path / "plain.yaml").write_text("actor_rollout_ref:\n  rollout:\n    name: vllm\n")
+    hf = "actor_rollout_ref.rollout.name=hf"
+    assert tp.rollout_needs_vllm([f"--config-path={tmp_path}", "--config-name=rm", hf])
+    assert not tp.rollout_needs_vllm([f"--config-path={tmp_path}", "--config-name=plain", hf])  # the override wins
+    assert not tp.rollout_needs_vllm([f"--config-path={tmp_path}", "--config-name=absent", hf])
+
+
 def test_the_skip_groups_are_the_packages_a_run_does_not_need():
     assert tp.skip_groups(["actor_rollout_ref.rollout.name=hf"]) == ("megatron", "vllm")
     assert tp.skip_groups(["actor_rollout_ref.rollout.name=vllm"]) == ("megatron",)

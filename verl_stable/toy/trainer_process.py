@@ -147,18 +147,21 @@ def set_aside(run_dir: str | os.PathLike, names: Sequence[str]) -> Path | None:
     return dest
 
 
+def _named_config_text(overrides: Sequence[str]) -> str:
+    """The lower-cased text of the config file ``--config-path`` / ``--config-name`` name (``""`` when none is)."""
+    options = dict(item.split("=", 1) for item in overrides if item.startswith("--config-") and "=" in item)
+    if "--config-name" not in options:
+        return ""
+    name = options["--config-name"]
+    config = Path(options.get("--config-path", ".")) / (name if name.endswith(".yaml") else f"{name}.yaml")
+    return config.read_text(errors="ignore").lower() if config.is_file() else ""
+
+
 def mentions_megatron(overrides: Sequence[str]) -> bool:
     """Whether a run may build a Megatron engine: an override, or the config file ``--config-path`` /
     ``--config-name`` name, mentions Megatron (conservative: any mention counts, so a Megatron run is never refused
     its engine; the others skip megatron-core's import, :mod:`verl_stable.compat.skip_imports`)."""
-    if any("megatron" in item.lower() for item in overrides):
-        return True
-    options = dict(item.split("=", 1) for item in overrides if item.startswith("--config-") and "=" in item)
-    if "--config-name" in options:
-        name = options["--config-name"]
-        config = Path(options.get("--config-path", ".")) / (name if name.endswith(".yaml") else f"{name}.yaml")
-        return config.is_file() and "megatron" in config.read_text(errors="ignore").lower()
-    return False
+    return any("megatron" in item.lower() for item in overrides) or "megatron" in _named_config_text(overrides)
 
 
 _HF_ROLLOUT = "actor_rollout_ref.rollout.name=hf"
@@ -170,11 +173,14 @@ def rollout_needs_vllm(overrides: Sequence[str]) -> bool:
     """Whether a run may import vLLM: anything but an ``hf`` rollout that nothing else asks vLLM of (conservative).
 
     verl's default rollout is vLLM, so only an explicit ``actor_rollout_ref.rollout.name=hf`` override says a run does
-    without it; any other override mentioning vLLM, or enabling a reward model or teacher (each served by its own
-    rollout engine), keeps vLLM importable."""
+    without it; any other override mentioning vLLM or enabling a reward model or teacher (each served by its own
+    rollout engine), or a named config file mentioning either, keeps vLLM importable."""
     if _HF_ROLLOUT not in overrides:
         return True
-    return any("vllm" in item.lower() or _OTHER_ENGINE.search(item) for item in overrides)
+    if any("vllm" in item.lower() or _OTHER_ENGINE.search(item) for item in overrides):
+        return True
+    config = _named_config_text(overrides)
+    return "reward_model" in config or "teacher" in config
 
 
 def skip_groups(overrides: Sequence[str]) -> tuple[str, ...]:
