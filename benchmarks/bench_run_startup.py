@@ -1,20 +1,25 @@
 """Where a verl run's start-up goes: the CPU of each of its processes, and what skipping unused imports saves.
 
 Runs the toy's GRPO through ``python -m verl.trainer.main_ppo`` on the CPU runtime (``--steps`` steps, ``hf``
-rollout) several times, alternating two conditions in ABBA order:
+rollout) several times, rotating through the conditions (``--conditions``; each repeat reverses the previous order,
+so no condition always runs first):
 
 * ``skip``: the launcher's default, ``VERL_STABLE_SKIP_IMPORTS`` chosen by
   :func:`verl_stable.toy.trainer_process.skip_groups` (``megatron,vllm`` for this run);
+* ``megatron``: the variable set to ``megatron`` alone (vLLM imported), which separates the two groups' savings;
 * ``none``: the variable set empty, which the launcher leaves alone (verl then imports megatron-core and vLLM in each
   process wherever they are installed).
 
 While a run goes, a thread samples every process below this one (the driver, Ray's daemons, every Ray worker) each
 ``--interval`` seconds with psutil: its role (the Ray actor class a worker becomes, else the program), when it was
 first seen, and its CPU time (user + system). Printed per condition: the run's wall time, verl's own step time (the
-sum of ``timing_s/step``), start-up and shutdown (the rest), the CPU of every process, and the ratios skip / none.
-Run it on an otherwise idle host; every number comes from one invocation.
+sum of ``timing_s/step``), start-up and shutdown (the rest), the CPU of every process, the wall time the run would
+need if its processes never waited on one another (their CPU spread over the host's cores, a floor no ordering of
+verl's start-up can beat), and each condition's ratios to ``none``. Run it on an otherwise idle host; every number
+comes from one invocation.
 
-    python benchmarks/bench_run_startup.py [--steps 2] [--repeats 2] [--workdir /tmp/bench_startup]
+    python benchmarks/bench_run_startup.py [--steps 2] [--repeats 2] [--conditions skip,megatron,none]
+        [--workdir /tmp/bench_startup]
 """
 
 from __future__ import annotations
@@ -82,16 +87,20 @@ class Sampler:
             self._stop.wait(self.interval_s)
 
 
+# condition -> the value VERL_STABLE_SKIP_IMPORTS gets (None: unset, so the launcher chooses)
+CONDITIONS: dict[str, str | None] = {"skip": None, "megatron": "megatron", "none": ""}
+
+
 def one_run(workdir: Path, assets, steps: int, condition: str, interval_s: float) -> dict:  # noqa: ANN001
     from verl_stable.toy.launch import cpu_overrides, read_metrics, run_main_ppo
 
     ov = cpu_overrides(assets, steps=steps, metrics_logger=("file",))
     ov.append(f"trainer.default_local_dir={workdir / 'ckpt'}")
     before = os.environ.get(ENV_SKIP_IMPORTS)
-    if condition == "none":
-        os.environ[ENV_SKIP_IMPORTS] = ""
+    if CONDITIONS[condition] is None:
+        os.environ.pop(ENV_SKIP_IMPORTS, None)  # the launcher chooses
     else:
-        os.environ.pop(ENV_SKIP_IMPORTS, None)
+        os.environ[ENV_SKIP_IMPORTS] = CONDITIONS[condition]
     try:
         with Sampler(interval_s) as sampler:
             t0 = time.perf_counter()
@@ -111,16 +120,24 @@ def one_run(workdir: Path, assets, steps: int, condition: str, interval_s: float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=2, help="runs per condition (ABBA order)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per condition (order reversed each repeat)")
+    parser.add_argument(
+        "--conditions", default="skip,none", help=f"comma-separated, from {', '.join(CONDITIONS)}; 'none' is required"
+    )
     parser.add_argument("--interval", type=float, default=0.5, help="sampling interval, seconds")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench_startup"))
     args = parser.parse_args()
 
     from verl_stable.toy.assets import ensure_assets
 
+    conditions = [c.strip() for c in args.conditions.split(",") if c.strip()]
+    unknown = [c for c in conditions if c not in CONDITIONS]
+    if unknown or "none" not in conditions or len(set(conditions)) != len(conditions):
+        parser.error(f"--conditions: distinct names from {', '.join(CONDITIONS)}, 'none' among them; got {conditions}")
+    cores = len(os.sched_getaffinity(0))
     assets = ensure_assets(args.workdir / "assets")
-    order = [c for i in range(args.repeats) for c in (("skip", "none") if i % 2 == 0 else ("none", "skip"))]
-    results: dict[str, list[dict]] = {"skip": [], "none": []}
+    order = [c for i in range(args.repeats) for c in (conditions if i % 2 == 0 else conditions[::-1])]
+    results: dict[str, list[dict]] = {c: [] for c in conditions}
     for i, condition in enumerate(order):
         res = one_run(args.workdir / f"run{i}_{condition}", assets, args.steps, condition, args.interval)
         results[condition].append(res)
@@ -137,20 +154,26 @@ def main() -> None:
         steps = statistics.median(r["steps_s"] for r in runs)
         cpu = statistics.median(sum(p["cpu_s"] for p in r["procs"]) for r in runs)
         summary[condition] = (wall, steps, cpu)
+        setting = " as the launcher chooses" if CONDITIONS[condition] is None else f"={CONDITIONS[condition]!r}"
         print(
-            f"\n{condition} ({ENV_SKIP_IMPORTS} {'as the launcher chooses' if condition == 'skip' else 'empty'}), "
+            f"\n{condition} ({ENV_SKIP_IMPORTS}{setting}), "
             f"median of {len(runs)}: wall {wall:.1f} s, verl's steps {steps:.1f} s, start-up and shutdown "
-            f"{wall - steps:.1f} s = {(wall - steps) / wall:.0%}; CPU of all processes {cpu:.1f} s"
+            f"{wall - steps:.1f} s = {(wall - steps) / wall:.0%}; CPU of all processes {cpu:.1f} s, "
+            f"spread over {cores} cores {cpu / cores:.1f} s"
         )
         last = runs[-1]
         for p in sorted(last["procs"], key=lambda p: p["first_s"]):
             if p["cpu_s"] >= 0.5:
                 print(f"  from {p['first_s']:5.1f} s  CPU {p['cpu_s']:5.1f} s  {p['role']}")
-    (ws, ss, cs), (wn, sn, cn) = summary["skip"], summary["none"]
-    print(
-        f"\nratios skip / none: wall {ws / wn:.3f}, start-up and shutdown {(ws - ss) / (wn - sn):.3f}, "
-        f"CPU {cs / cn:.3f}"
-    )
+    wn, sn, cn = summary["none"]
+    for condition in conditions:
+        if condition == "none":
+            continue
+        w, s, c = summary[condition]
+        print(
+            f"ratios {condition} / none: wall {w / wn:.3f}, start-up and shutdown {(w - s) / (wn - sn):.3f}, "
+            f"CPU {c / cn:.3f}"
+        )
 
 
 if __name__ == "__main__":
