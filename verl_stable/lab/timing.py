@@ -19,16 +19,17 @@ from collections.abc import Mapping, Sequence
 
 from verl_stable.lab.summaries import group_runs
 
-STARTUP_S = 120.0
+STARTUP_S = 85.0
 """Per run, two runs at a time on 2 cores: wall time not spent in verl's later steps (start-up, step 1's extra
-~30 s, shutdown). Measured: 112 s at N = 4 (the default preset, session 14), 96 s at N = 8 (16-step runs, session
-14), 127 s median over the `stability` preset's 24 runs (N = 8, 24 steps, session 15)."""
-STEP_S_PER_MINI_BATCH = 1.3
-"""Per step and mini-batch of the lab's geometry (4 prompts x 4 samples), two runs at a time on 2 cores: steps 2-8
-took 4.7 s at N = 4, steps 2-16 8.1 s at N = 8 (session 14); steps 2-24 11.6 s at N = 8 in the `stability` preset
-(session 15). The two constants put the default preset
-~5 % above its measured time (8.1 min against 7 min 43 s) and the `stability` preset ~25 % below it (74 min
-against ~97)."""
+~12 s, shutdown). Fitted with :data:`STEP_S_PER_MINI_BATCH` to the 76 runs of three sweeps measured from an empty
+``--out`` on one host in sessions 19-20 (the `default`, `evidence` and `stability` presets; least squares gave 81 s and
+0.71 s, rounded up): the estimate is then 6.5 min for the `default` preset (measured 5 min 41 s), 41 min for
+`evidence` (40 min 1 s) and 46 min for `stability` (43 min 51 s). Hosts differ: session 15's took ~2x as long per
+step for the `stability` preset (~97 min)."""
+STEP_S_PER_MINI_BATCH = 0.75
+"""Per step and mini-batch of the lab's geometry (4 prompts x 4 samples), two runs at a time on 2 cores; a later step
+took 1.1-1.3 s at N = 1, 3.0-3.7 s at N = 4 and 5.9-7.4 s at N = 8 (medians over the `evidence` preset's runs, session
+19)."""
 
 
 def estimate_seconds(num_runs: int, steps: int, staleness: Sequence[int], jobs: int) -> float:
