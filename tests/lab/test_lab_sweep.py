@@ -223,3 +223,61 @@ def test_parallel_sweep_overlaps_runs_and_keeps_preset_order(tmp_path, monkeypat
     assert stream.getvalue().splitlines()[-1].startswith("[") and " 6/6 steps" in stream.getvalue()
     with pytest.raises(ValueError, match="jobs must be >= 1"):
         sweep.run_sweep(tmp_path / "out", preset, jobs=0)
+
+
+def test_a_resumed_sweep_announces_only_the_runs_it_will_start(tmp_path, monkeypatch):
+    """announce gets the runs not complete on disk, before any starts: all of them, then none, then the one undone."""
+    from verl_stable.lab.coldstart import ColdStartResult
+    from verl_stable.lab.progress import ProgressBar
+    from verl_stable.toy.assets import Assets
+
+    preset = sweep.Preset("t", runs=(("minirl", 1), ("minirl_r3", 4)), steps=2, seeds=(0, 1))
+    assets = Assets(*(tmp_path / n for n in ("root", "model", "train.parquet", "val.parquet")))
+    cs = ColdStartResult(tmp_path / "model", expected_reward=0.4, initial_expected_reward=0.1, steps=0, cached=True)
+    monkeypatch.setattr(sweep, "prepare", lambda out, p: (assets, cs))
+    started: list[str] = []
+
+    def fake_run_one(overrides, run_dir, steps, on_step, timeout_s):
+        if sweep.is_complete(run_dir, overrides, steps):
+            return 0, True
+        started.append(run_dir.name)
+        _fake_run(run_dir, overrides, steps)
+        return 0, False
+
+    monkeypatch.setattr(sweep, "run_one", fake_run_one)
+    announced: list[list[str]] = []
+
+    def sweep_once() -> None:
+        bar = ProgressBar(8, stream=__import__("io").StringIO())
+        sweep.run_sweep(
+            tmp_path / "out", preset, jobs=1, progress=bar, announce=lambda p: announced.append([s.name for s in p])
+        )
+
+    names = [s.name for s in preset.run_specs()]
+    sweep_once()
+    assert announced[-1] == names == started
+    sweep_once()
+    assert announced[-1] == [] and started == names  # nothing started again
+    (tmp_path / "out" / "runs" / "minirl_r3__N4__s1" / "done.json").unlink()
+    sweep_once()
+    assert announced[-1] == ["minirl_r3__N4__s1"] and started == [*names, "minirl_r3__N4__s1"]
+
+
+def test_the_cli_prints_the_estimate_for_the_runs_left(tmp_path, monkeypatch):
+    """Before the cold start: the whole sweep's estimate; once the runs left are known: theirs, when fewer."""
+    from verl_stable.lab import timing
+
+    lines: list[str] = []
+    monkeypatch.setattr(sweep, "check_sweep", lambda out, preset, **kw: preset.select(kw.get("only")))
+
+    def fake_run_sweep(out, preset, *, announce, **kwargs):
+        announce(preset.run_specs()[:3])  # 5 of the default preset's 8 runs complete on disk
+        return []
+
+    monkeypatch.setattr(sweep, "run_sweep", fake_run_sweep)
+    assert cli.main(["--out", str(tmp_path / "lab"), "--jobs", "2"], out=lines.append) == 1  # no metrics: nothing ran
+    default = sweep.PRESETS["default"]
+    whole = timing.estimate_seconds(8, default.steps, [4] * 8, 2)
+    left = timing.estimate_seconds(3, default.steps, [4] * 3, 2)
+    assert lines[0].startswith(f"8 run(s) of {default.steps} steps, 2 at a time: about {whole / 60:.0f} min")
+    assert lines[1] == f"5 of the 8 run(s) already complete in --out: 3 to run, about {left / 60:.0f} min"

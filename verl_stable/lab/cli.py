@@ -173,7 +173,18 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
             f"{len(specs)} run(s) of {preset.steps} steps, {jobs} at a time: about {estimate / 60:.0f} min on 2 cores "
             "(runs already complete in --out are skipped; the report gives the measured time)"
         )
-        outcomes = sweep.run_sweep(out_dir, preset, timeout_s=args.timeout, only=args.only, jobs=args.jobs)
+
+        def announce(pending: Sequence[sweep.RunSpec]) -> None:
+            if len(pending) < len(specs):  # a resumed sweep: the estimate above counted runs it will not start
+                left = timing.estimate_seconds(len(pending), preset.steps, [s.staleness for s in pending], jobs)
+                out(
+                    f"{len(specs) - len(pending)} of the {len(specs)} run(s) already complete in --out: "
+                    f"{len(pending)} to run, about {left / 60:.0f} min"
+                )
+
+        outcomes = sweep.run_sweep(
+            out_dir, preset, timeout_s=args.timeout, only=args.only, jobs=args.jobs, announce=announce
+        )
         for o in outcomes:
             if o.retried:
                 print(

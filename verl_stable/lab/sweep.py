@@ -261,6 +261,7 @@ def run_sweep(
     jobs: int | None = None,
     runner: Callable[..., tuple[int, bool]] | None = None,
     force_start_failure: Sequence[str] | None = None,
+    announce: Callable[[Sequence[RunSpec]], None] | None = None,
 ) -> list[RunOutcome]:
     """Run every (variant, N, seed) of ``preset`` under ``out``; write ``out/metrics.jsonl`` with all rows.
 
@@ -279,6 +280,8 @@ def run_sweep(
         runner: what runs one attempt, called like :func:`run_one` (None: :func:`run_one`); tests pass their own.
         force_start_failure: test-only, run-name prefixes whose first attempt is made to fail in Ray's start-up
             (:data:`FORCED_START_FAILURE`); None reads :data:`FORCE_START_FAILURE_ENV`.
+        announce: called once the assets and the cold start are ready, before any run starts, with the runs still to
+            do (those not complete in ``out``, :func:`is_complete`): what a resumed sweep will actually run.
     """
     from verl_stable.toy.launch import read_metrics
 
@@ -292,9 +295,8 @@ def run_sweep(
     tracker = _SweepProgress(progress or ProgressBar(total=len(specs) * preset.steps), preset.steps)
     prefixes = forced_start_failures() if force_start_failure is None else tuple(force_start_failure)
 
-    def execute(i: int, spec: RunSpec) -> RunOutcome:
-        run_dir = out / "runs" / spec.name
-        ov = V.run_overrides(
+    def overrides_of(spec: RunSpec) -> list[str]:
+        return V.run_overrides(
             spec.variant,
             assets,
             staleness=spec.staleness,
@@ -307,8 +309,15 @@ def run_sweep(
             lr=preset.lr,
             seed=spec.seed,
             max_response_length=preset.max_response_length,
-            workdir=run_dir,
+            workdir=out / "runs" / spec.name,
         )
+
+    if announce is not None:
+        announce([s for s in specs if not is_complete(out / "runs" / s.name, overrides_of(s), preset.steps)])
+
+    def execute(i: int, spec: RunSpec) -> RunOutcome:
+        run_dir = out / "runs" / spec.name
+        ov = overrides_of(spec)
         label = f"run {i + 1}/{len(specs)} {spec.variant} N={spec.staleness} seed={spec.seed}"
         t0, started = time.monotonic(), time.time()
         run = runner or run_one  # looked up per call: tests replace the module's run_one
