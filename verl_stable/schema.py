@@ -268,6 +268,7 @@ class RuleOptions(_Strict):
     max_rollbacks: Window | None = None
     rollback_data: Literal["replay", "skip"] | None = None
     escalate_to: EscalationOptions | None = None
+    marks_checkpoints: bool | None = None
 
 
 class GuardOptions(_Strict):

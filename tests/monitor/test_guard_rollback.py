@@ -113,3 +113,33 @@ def test_in_verls_bypass_mode_no_train_inference_metric_pretends_there_is_no_mis
     metrics = bypass.batch_metrics(MonitorBatch(tokens))
     assert not [k for k in metrics if k.startswith("stable/train_inf/")], sorted(metrics)
     assert "bypass" in bypass._warned
+
+
+@pytest.mark.parametrize(("marks", "good"), [(True, None), (False, 1)])
+def test_an_alarm_that_does_not_mark_checkpoints_leaves_the_one_before_it_good(marks, good):
+    """The lab's stability runs, seed 2: the train-inference alarm (warn) at step 2, the entropy blow-up at step 3.
+
+    Checkpoint 1 (update 1, its rollout measured at step 2) is good only if the alarm at step 2 is not about the
+    weights; checkpoint 2 is never good (its rollout is the one that tripped)."""
+    kl = Rule("train_inference_kl", "above", ("stable/train_inf/kl_k3",), threshold=0.01, marks_checkpoints=marks)
+    blowup = Rule("entropy_blowup", "above", (ENTROPY,), threshold=4.0, action="rollback")
+    guard = Guard(rules=(kl, blowup))
+    assert guard.observe(1, {"stable/train_inf/kl_k3": 0.001, ENTROPY: 1.6}) == []
+    assert [v.rule for v in guard.observe(2, {"stable/train_inf/kl_k3": 0.05, ENTROPY: 3.2})] == ["train_inference_kl"]
+    assert [v.rule for v in guard.observe(3, {"stable/train_inf/kl_k3": 0.02, ENTROPY: 6.9})] == [
+        "train_inference_kl",
+        "entropy_blowup",
+    ]
+    assert guard.flagged_steps == ({2, 3} if marks else {3})
+    assert last_good_checkpoint_step([1, 2, 3], trip_step=3, flagged_steps=guard.flagged_steps) == good
+
+
+def test_marks_checkpoints_is_read_as_a_strict_bool():
+    guard = Guard.from_config({"rules": {"train_inference_kl": {"marks_checkpoints": False}}})
+    rule = next(r for r in guard.rules if r.name == "train_inference_kl")
+    assert rule.marks_checkpoints is False and rule.action == "stop"  # only the key given changes
+    assert all(r.marks_checkpoints for r in guard.rules if r.name != "train_inference_kl")
+    with pytest.raises(ConfigError, match="marks_checkpoints"):
+        Guard.from_config({"rules": {"train_inference_kl": {"marks_checkpoints": "false"}}})
+    with pytest.raises(TypeError, match="marks_checkpoints"):
+        Rule("x", "above", ("m",), threshold=1.0, marks_checkpoints=1)

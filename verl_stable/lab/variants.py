@@ -93,9 +93,13 @@ GUARDED: dict[str, Any] = {
     f"{ENTROPY_BLOWUP}.action": "rollback",  # max_rollbacks: the schema's default (2), then stop_checkpoint
     # the lab's runs are deterministic: redone on the same batches and sampling seeds they would blow up again
     f"{ENTROPY_BLOWUP}.rollback_data": "skip",
-    # a rollback needs a checkpoint before the damage; four kept are enough for the two steps it looks back
+    # the train-inference alarm (warn here) measures the rollout engine against the trainer, not the weights: without
+    # replay it fires on most steps at N = 8, and as a mark it left seed 2 with no good checkpoint (session 20)
+    "+stable.guard.rules.train_inference_kl.marks_checkpoints": False,
+    # a rollback needs a checkpoint two steps before the trip, and each redone step's save rotates the oldest away:
+    # with 4 kept, the second of two rollbacks found its checkpoint gone (session 20, seed 3); 8 cover both
     "trainer.save_freq": 1,
-    "trainer.max_actor_ckpt_to_keep": 4,
+    "trainer.max_actor_ckpt_to_keep": 8,
 }
 """An acting guard (issue #29): the run goes back to its last good checkpoint when the policy's entropy blows up and
 redoes the steps after it on new batches; it stops (naming that checkpoint) when the blow-up comes back after two

@@ -87,7 +87,7 @@ class Guard:
 
     Attributes:
         rules: the active rules.
-        flagged_steps: steps at which any rule fired (warn included).
+        flagged_steps: steps at which a rule fired (warn included) whose ``marks_checkpoints`` is set.
         missing: rule name -> metric names it looked for but never found (a silent rule is visible here; an
             ``optional`` rule is not listed).
     """
@@ -200,8 +200,8 @@ class Guard:
                 verdict = self._count_escalation(rule, verdict)
             if verdict is not None:
                 verdicts.append(verdict)
-        if verdicts:
-            self.flagged_steps.add(step)
+                if rule.marks_checkpoints:
+                    self.flagged_steps.add(step)
         return verdicts
 
     def _count_skip(self, rule: Rule, verdict: Verdict | None) -> Verdict | None:
@@ -354,7 +354,8 @@ def last_good_checkpoint_step(saved_steps: Iterable[int], trip_step: int, flagge
     A checkpoint saved at step ``c`` holds the weights after update ``c``. Update ``c``'s own metrics (loss,
     gradient norm) are logged at step ``c``, and the rollout those weights generate is measured at step
     ``c + 1``. So ``c`` is good when ``c + 1 < trip_step`` and neither step ``c`` nor ``c + 1`` was flagged by any
-    rule (warn included). Steps before this guard started (a resumed run) count as unflagged.
+    rule (warn included) that marks checkpoints (``Rule.marks_checkpoints``, the default). Steps before this guard
+    started (a resumed run) count as unflagged.
 
     Args:
         saved_steps: steps of the checkpoints that can be resumed from; the trainer passes only those

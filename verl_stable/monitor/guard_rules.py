@@ -74,6 +74,11 @@ class Rule:
             themselves cause does); ``skip``: the ones the abandoned steps had not reached, so the steps after the
             checkpoint are redone on new data (the restarts of large pre-training runs skip the batches around a
             loss spike the same way).
+        marks_checkpoints: whether this rule's firing counts against the checkpoints around its step when a
+            rollback or ``stop_checkpoint`` looks for the last good one (:func:`~verl_stable.monitor.guard.
+            last_good_checkpoint_step`; default ``True``, warn included). Set ``False`` for an alarm about something
+            other than the weights -- ``train_inference_kl`` measures the rollout engine against the trainer, and
+            without routing replay on an MoE it fires on most steps, which would leave no checkpoint good.
         escalate_to: ``escalate`` only (and required there): the fields of verl's ``algorithm.rollout_correction``
             the run moves to, as ``(key, value)`` pairs sorted by key (a mapping is accepted), keys from
             :data:`~verl_stable.schema.ESCALATION_KEYS`, values typed by :class:`~verl_stable.schema.EscalationOptions`.
@@ -91,6 +96,7 @@ class Rule:
     max_rollbacks: int = DEFAULT_MAX_ROLLBACKS
     rollback_data: RollbackData = "replay"
     escalate_to: tuple[tuple[str, Any], ...] = ()
+    marks_checkpoints: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -118,6 +124,7 @@ class Rule:
             raise ValueError(f"{where}: slope_tolerance must be a finite number >= 0, got {tolerance!r}")
         object.__setattr__(self, "slope_tolerance", tolerance)
         check_bool(f"{where}: optional", self.optional)
+        check_bool(f"{where}: marks_checkpoints", self.marks_checkpoints)
         object.__setattr__(self, "max_skips", check_int(f"{where}: max_skips", self.max_skips))
         if not 1 <= self.max_skips <= MAX_WINDOW:
             raise ValueError(f"{where}: max_skips must be in [1, {MAX_WINDOW}], got {self.max_skips!r}")
