@@ -7,6 +7,12 @@ the mini-batches), 2 steps of 2 prompts x 4 samples, fp8 rollout weights on the 
 batching on, the toy task's partial-credit reward (a random model scores above zero with it). Before issue #17 two
 runs of one seed already differed at step 1 (reward 0.081 vs 0.125, ``actor/pg_loss`` 0.118 vs -0.203).
 
+The first run's processes are forked from the prefork server (the CPU launcher's default,
+``verl_stable/cpu/prefork.py``), the second's start as plain Python (``VERL_STABLE_PREFORK=0``): the same values
+from both also say that a forked process computes what a plain one does, bit for bit on the development machine
+(the server's children import torch before Ray sets an actor's ``OMP_NUM_THREADS``; before the child applied it,
+the actor's log-probs were 1e-7 apart).
+
 Both runs use two agent-loop workers (issue #25; the CPU runtime's default is one): verl splits each dispatch over
 them and they finish in any order. Under ``stable_sync`` the order samples reach the trainer comes only from the
 dispatch order the project restores (the manager's ``DispatchLedger``); under verl's ``sync`` the workers put samples
@@ -23,12 +29,15 @@ batch with other requests than in the other run; on the development machine all 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
+from verl_stable.cpu import prefork
 from verl_stable.lab import variants as V
 from verl_stable.toy import tasks
 from verl_stable.toy.launch import read_metrics, run_main_ppo
+from verl_stable.toy.trainer_process import PREFORK_LOG
 
 pytestmark = pytest.mark.e2e
 
@@ -71,11 +80,30 @@ def _run(workdir, assets, name: str, seed: int, trainer_mode: str = "stable_sync
 
 
 @pytest.fixture(scope="module")
-def runs(cpu_assets, tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("repro")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("repro")
+
+
+@pytest.fixture(scope="module")
+def runs(cpu_assets, workdir):
     first = _run(workdir, cpu_assets, "seed0_stable_sync", 0)
-    verl_sync = _run(workdir, cpu_assets, "seed0_verl_sync", 0, trainer_mode="sync")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(prefork.ENV_SWITCH, "0")
+        verl_sync = _run(workdir, cpu_assets, "seed0_verl_sync", 0, trainer_mode="sync")
     return first, verl_sync
+
+
+def test_the_first_runs_processes_were_forked_and_the_seconds_were_not(runs, workdir):
+    """Every process of the first run came from the prefork server, none was refused (what makes the comparison
+    below one of a forked run against a plain one); the second run started no server."""
+    log = (workdir / "seed0_stable_sync" / PREFORK_LOG).read_text()
+    summary = re.search(r"stopping: (\d+) forked, (\d+) refused", log)
+    assert summary is not None, log[-2000:]
+    # the driver, the task runner, TransferQueue's two, the actor, the rollout server, the reward-loop worker,
+    # the load balancer, the two agent-loop workers, Ray's prestarted idle workers
+    assert int(summary[1]) >= 10 and int(summary[2]) == 0, log[-2000:]
+    assert "forked" in log and "(fixed: OMP_NUM_THREADS)" in log
+    assert not (workdir / "seed0_verl_sync" / PREFORK_LOG).exists()
 
 
 def _values(rows: list[dict]) -> dict[tuple[int, str], float]:

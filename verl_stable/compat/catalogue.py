@@ -320,6 +320,28 @@ PATCHES: tuple[Patch, ...] = (
         "megatron-core's torch norm supports sequence parallelism",
         requires="megatron-core",
     ),
+    Patch(
+        "prefork_env_reads",
+        "os._Environ.__getitem__",
+        "process",
+        "verl_stable.cpu.prefork",
+        "the prefork server must know which variables its preload read, to refuse a fork whose environment differs "
+        "in one of them; os.environ's __getitem__ and __iter__ are wrapped for the span of the preload (EnvReads."
+        "recording) and restored after",
+        "the preloaded packages read their configuration lazily, or the server no longer preloads",
+    ),
+    Patch(
+        "prefork_ray_threads",
+        "os._Environ.__setitem__",
+        "process",
+        "verl_stable.cpu.prefork",
+        "Ray sets an actor's OMP_NUM_THREADS before the actor imports torch; a forked child's torch is already loaded "
+        "and would keep the server's thread count (another summation order than a plain actor's: 1e-7 apart in the "
+        "actor's log-probs, measured); the child's os.environ applies Ray's setting with torch.set_num_threads, for "
+        "the child's life",
+        "Ray applies its thread count through torch or OpenMP itself, or the server no longer preloads torch",
+        requires="ray",
+    ),
 )
 """Every run-time patch of a third-party package, in the order a CPU process applies them."""
 

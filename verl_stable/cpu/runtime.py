@@ -17,7 +17,7 @@ import types
 from verl_stable.backends.hf import rollout as hf_rollout
 from verl_stable.backends.vllm_cpu import rollout as vllm_rollout
 from verl_stable.compat.contracts import ContractResult
-from verl_stable.cpu import attention, engines, faults, platform, polling
+from verl_stable.cpu import attention, engines, faults, platform, polling, prefork
 
 
 def register() -> list[str]:
@@ -41,7 +41,7 @@ def contract_modules() -> tuple[types.ModuleType, ...]:
     megatron-core: where it is installed, the Megatron CPU runtime's fixes, packed attention and mbridge adapter
     (:mod:`verl_stable.cpu.megatron`) are checked too.
     """
-    modules: tuple[types.ModuleType, ...] = (platform, engines, hf_rollout, polling, attention)
+    modules: tuple[types.ModuleType, ...] = (platform, engines, hf_rollout, polling, attention, prefork)
     if vllm_rollout.installed_version() is not None:
         modules += (vllm_rollout,)
     if engines.megatron_installed():

@@ -17,15 +17,18 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import stat
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from verl_stable.compat.skip_imports import ENV_SKIP_IMPORTS
+from verl_stable.cpu import prefork
 from verl_stable.cpu.polling import ENV_POLL_INTERVAL
 
 # Ray's head serves two Prometheus endpoints on fixed ports (the autoscaler monitor's 44217 and the dashboard's 44227),
@@ -278,11 +281,44 @@ def run_main_ppo(
     env["RAY_TMPDIR"] = str(ray_tmpdir(workdir))
     if ENV_SKIP_IMPORTS not in env and (groups := skip_groups(overrides)):
         env[ENV_SKIP_IMPORTS] = ",".join(groups)  # saves every verl process of the run importing them
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides, *job_env(env, overrides)]
-    for attempt in range(ray_start_retries + 1):
-        with open(workdir / log_name, "w") as log:
-            proc = subprocess.run(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
-        if proc.returncode == 0 or _RAY_START_FAILURE not in (workdir / log_name).read_text(errors="ignore"):
-            return proc
-        print(f"Ray node start-up timed out (attempt {attempt + 1}); retrying", file=sys.stderr)
+    with _prefork_server(env, workdir, overrides) as (python, extra):
+        cmd = [*python, "-m", "verl.trainer.main_ppo", *overrides, *extra, *job_env(env, overrides)]
+        for attempt in range(ray_start_retries + 1):
+            with open(workdir / log_name, "w") as log:
+                proc = subprocess.run(
+                    cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s
+                )
+            if proc.returncode == 0 or _RAY_START_FAILURE not in (workdir / log_name).read_text(errors="ignore"):
+                return proc
+            print(f"Ray node start-up timed out (attempt {attempt + 1}); retrying", file=sys.stderr)
     return proc
+
+
+PREFORK_LOG = "prefork.log"
+_PY_EXECUTABLE_KEY = "ray_kwargs.ray_init.runtime_env.py_executable"
+
+
+@contextmanager
+def _prefork_server(
+    env: dict[str, str], workdir: Path, overrides: Sequence[str]
+) -> Iterator[tuple[list[str], list[str]]]:
+    """The interpreter command for the driver and the overrides that start every Ray worker through the prefork server.
+
+    With :func:`verl_stable.cpu.prefork.enabled` (the default on Linux; ``VERL_STABLE_PREFORK=0`` turns it off), a
+    server is started for the run (its log ``workdir/prefork.log``) unless ``env`` already names one (a sweep's,
+    ``VERL_STABLE_PREFORK_SOCKET``); ``env`` gains the variable, and Ray's ``runtime_env.py_executable`` becomes the
+    client. An override of ``py_executable`` by the caller wins: the workers then start as it says, the driver
+    still through the server. Off, the driver is plain ``sys.executable`` and nothing is added.
+    """
+    if not prefork.enabled(env):
+        yield [sys.executable], []
+        return
+    client = prefork.client_command()
+    given = {item.split("=", 1)[0].lstrip("+~") for item in overrides}
+    extra = [] if _PY_EXECUTABLE_KEY in given else [f"++{_PY_EXECUTABLE_KEY}={hydra_quote(shlex.join(client))}"]
+    if env.get(prefork.ENV_SOCKET):
+        yield client, extra
+        return
+    with prefork.ServerProcess(ray_tmpdir(workdir) / "prefork.sock", env, workdir / PREFORK_LOG, workdir) as server:
+        env.update(server.env())
+        yield client, extra
