@@ -1,14 +1,18 @@
-"""Where a verl run's start-up goes: the CPU of each of its processes, and what skipping unused imports saves.
+"""Where a verl run's start-up goes: the CPU of each of its processes, and what the prefork server and skipping
+unused imports save.
 
 Runs the toy's GRPO through ``python -m verl.trainer.main_ppo`` on the CPU runtime (``--steps`` steps, ``hf``
 rollout) several times, rotating through the conditions (``--conditions``; each repeat reverses the previous order,
 so no condition always runs first):
 
-* ``skip``: the launcher's default, ``VERL_STABLE_SKIP_IMPORTS`` chosen by
+* ``default``: the launcher's default: every process forked from the prefork server
+  (:mod:`verl_stable.cpu.prefork`) and ``VERL_STABLE_SKIP_IMPORTS`` chosen by
   :func:`verl_stable.toy.trainer_process.skip_groups` (``megatron,vllm`` for this run);
-* ``megatron``: the variable set to ``megatron`` alone (vLLM imported), which separates the two groups' savings;
-* ``none``: the variable set empty, which the launcher leaves alone (verl then imports megatron-core and vLLM in each
-  process wherever they are installed).
+* ``skip``: the same imports skipped, no prefork server (``VERL_STABLE_PREFORK=0``): the launcher before session 21;
+* ``megatron``: no server, the variable set to ``megatron`` alone (vLLM imported), which separates the two groups'
+  savings;
+* ``none``: no server, the variable set empty, which the launcher leaves alone (verl then imports megatron-core and
+  vLLM in each process wherever they are installed).
 
 While a run goes, a thread samples every process below this one (the driver, Ray's daemons, every Ray worker) each
 ``--interval`` seconds with psutil: its role (the Ray actor class a worker becomes, else the program), when it was
@@ -18,7 +22,7 @@ need if its processes never waited on one another (their CPU spread over the hos
 verl's start-up can beat), and each condition's ratios to ``none``. Run it on an otherwise idle host; every number
 comes from one invocation.
 
-    python benchmarks/bench_run_startup.py [--steps 2] [--repeats 2] [--conditions skip,megatron,none]
+    python benchmarks/bench_run_startup.py [--steps 2] [--repeats 2] [--conditions default,skip,megatron,none]
         [--workdir /tmp/bench_startup]
 """
 
@@ -34,14 +38,23 @@ from pathlib import Path
 import psutil
 
 from verl_stable.compat.skip_imports import ENV_SKIP_IMPORTS
+from verl_stable.cpu import prefork
 
 
 def _role(proc: psutil.Process) -> str | None:
-    """What a process is: the Ray actor class (or task) a worker runs, else its program; ``None`` if unknown yet."""
+    """What a process is: the Ray actor class (or task) a worker runs, else its program; ``None`` if unknown yet.
+
+    A forked child keeps the server's command line until Ray renames it (``ray::...``): the server's own process is
+    the one started by this benchmark, a child that Ray never renames is the driver.
+    """
     cmd = proc.cmdline()
     if not cmd:
         return None  # exiting: keep what it was seen as
     head = cmd[0]
+    if any("verl_stable.cpu.prefork import main" in part for part in cmd):
+        return "prefork server" if proc.ppid() == os.getpid() else "main_ppo (driver, forked)"
+    if any(part.endswith("prefork_client.py") for part in cmd):
+        return "prefork client"
     if head.startswith("ray::"):
         name = head.split(":")[2] if head.count(":") >= 2 else head[len("ray::") :]
         return name.split(".")[0] or None  # "ray::TaskRunnerV1.run" -> "TaskRunnerV1"
@@ -87,8 +100,13 @@ class Sampler:
             self._stop.wait(self.interval_s)
 
 
-# condition -> the value VERL_STABLE_SKIP_IMPORTS gets (None: unset, so the launcher chooses)
-CONDITIONS: dict[str, str | None] = {"skip": None, "megatron": "megatron", "none": ""}
+# condition -> (the value VERL_STABLE_SKIP_IMPORTS gets (None: unset, so the launcher chooses), VERL_STABLE_PREFORK)
+CONDITIONS: dict[str, tuple[str | None, str]] = {
+    "default": (None, "1"),
+    "skip": (None, "0"),
+    "megatron": ("megatron", "0"),
+    "none": ("", "0"),
+}
 
 
 def one_run(workdir: Path, assets, steps: int, condition: str, interval_s: float) -> dict:  # noqa: ANN001
@@ -96,21 +114,24 @@ def one_run(workdir: Path, assets, steps: int, condition: str, interval_s: float
 
     ov = cpu_overrides(assets, steps=steps, metrics_logger=("file",))
     ov.append(f"trainer.default_local_dir={workdir / 'ckpt'}")
-    before = os.environ.get(ENV_SKIP_IMPORTS)
-    if CONDITIONS[condition] is None:
+    before = os.environ.get(ENV_SKIP_IMPORTS), os.environ.get(prefork.ENV_SWITCH)
+    skip, use_prefork = CONDITIONS[condition]
+    if skip is None:
         os.environ.pop(ENV_SKIP_IMPORTS, None)  # the launcher chooses
     else:
-        os.environ[ENV_SKIP_IMPORTS] = CONDITIONS[condition]
+        os.environ[ENV_SKIP_IMPORTS] = skip
+    os.environ[prefork.ENV_SWITCH] = use_prefork
     try:
         with Sampler(interval_s) as sampler:
             t0 = time.perf_counter()
             proc = run_main_ppo(ov, workdir, timeout_s=1800)
             wall = time.perf_counter() - t0
     finally:
-        if before is None:
-            os.environ.pop(ENV_SKIP_IMPORTS, None)
-        else:
-            os.environ[ENV_SKIP_IMPORTS] = before
+        for name, value in zip((ENV_SKIP_IMPORTS, prefork.ENV_SWITCH), before, strict=True):
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     if proc.returncode != 0:
         raise SystemExit(f"main_ppo failed, see {workdir / 'main_ppo.log'}")
     steps_s = sum(m["timing_s/step"] for m in read_metrics(workdir / "metrics.jsonl"))
@@ -122,7 +143,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2, help="runs per condition (order reversed each repeat)")
     parser.add_argument(
-        "--conditions", default="skip,none", help=f"comma-separated, from {', '.join(CONDITIONS)}; 'none' is required"
+        "--conditions",
+        default="default,skip,none",
+        help=f"comma-separated, from {', '.join(CONDITIONS)}; 'none' is required",
     )
     parser.add_argument("--interval", type=float, default=0.5, help="sampling interval, seconds")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench_startup"))
@@ -154,9 +177,10 @@ def main() -> None:
         steps = statistics.median(r["steps_s"] for r in runs)
         cpu = statistics.median(sum(p["cpu_s"] for p in r["procs"]) for r in runs)
         summary[condition] = (wall, steps, cpu)
-        setting = " as the launcher chooses" if CONDITIONS[condition] is None else f"={CONDITIONS[condition]!r}"
+        skip, use_prefork = CONDITIONS[condition]
+        setting = " as the launcher chooses" if skip is None else f"={skip!r}"
         print(
-            f"\n{condition} ({ENV_SKIP_IMPORTS}{setting}), "
+            f"\n{condition} ({ENV_SKIP_IMPORTS}{setting}, {prefork.ENV_SWITCH}={use_prefork}), "
             f"median of {len(runs)}: wall {wall:.1f} s, verl's steps {steps:.1f} s, start-up and shutdown "
             f"{wall - steps:.1f} s = {(wall - steps) / wall:.0%}; CPU of all processes {cpu:.1f} s, "
             f"spread over {cores} cores {cpu / cores:.1f} s"

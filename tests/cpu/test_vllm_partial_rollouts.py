@@ -1,6 +1,6 @@
 """Partial rollouts with verl's own vLLM rollout on vLLM's CPU build: a sample aborted at a weight update and resumed
 after it keeps valid routing, and R3 replays it (one verl run of the ``colocate_async`` trainer, 232-299 s on the
-2-core machine shared with other runs).
+2-core machine shared with other runs before the prefork server, 81 s alone after it).
 """
 
 from __future__ import annotations
@@ -15,6 +15,10 @@ FP32_TRAINING = (
     "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
 )
 SAMPLES_PER_STEP = 16  # 4 prompts x rollout.n = 4
+# each step after the first is a weight update that may catch samples mid-generation; after the first it takes 0.6-1.7
+# s against the next batch's 1-7 s of sampling, so whether one is caught is the host's timing: four updates give the
+# scenario four chances per run (with three steps, one suite run under load caught none in two runs)
+STEPS = 5
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +36,7 @@ def vllm_partial_run(tmp_path_factory):
     assets = ensure_assets(tmp / "assets", launch.asset_spec("vllm"))
     overrides = launch.cpu_overrides(
         assets,
-        steps=3,
+        steps=STEPS,
         precision="fp32",
         routing_capture=True,
         metrics_logger=("file",),
@@ -71,12 +75,13 @@ def test_partial_rollouts_carry_vllms_routing_across_the_weight_update(vllm_part
     from verl_stable.monitor.routing_metrics import COVERAGE
 
     rows = vllm_partial_run
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for row in rows:
         assert row[f"{TRANSPORT_METRIC_PREFIX}samples"] == SAMPLES_PER_STEP
         assert row[f"{TRANSPORT_METRIC_PREFIX}skipped_samples"] == 0.0
         assert row[f"{COVERAGE}/response_replayed"] == 1.0
         assert row["stable/routing/disagreement"] == 0.0
     assert rows[0]["training/off_policy/trajectory_spans/max"] == 1  # the batch sampled before any update
-    # measured in three runs: 4 of 16 samples of step 2 spanned two versions each time, 1, 10 and 2 of step 3
-    assert max(r["training/off_policy/trajectory_spans/max"] for r in rows[1:]) == 2
+    # measured in three runs: 4 of 16 samples of step 2 spanned two versions each time, 1, 10 and 2 of step 3 (a
+    # sample caught by two updates in a row would span three)
+    assert max(r["training/off_policy/trajectory_spans/max"] for r in rows[1:]) >= 2

@@ -52,7 +52,10 @@ def test_healthy_run_logs_stable_metrics_and_is_not_stopped(assets, tmp_path):
     assert "stable/entropy/slope" in rows[-1]
     assert "GuardTripped" not in log
     # replay off (the default): the plugin's FSDP engine still measures the actor's routing against the exported one,
-    # and the bf16 rollout routed some tokens to other experts than the fp32 actor does
+    # and the bf16 rollout routed some tokens to other experts than the fp32 actor does -- over the run: a step's ~800
+    # (token, layer) rows flip 0.1-1.2 % of the time (measured), so one step with no flip at all is a matter of chance
+    # (the samples are not seeded here; one suite run saw it)
     for row in rows:
-        assert row["stable/routing/disagreement"] > 0.0
+        assert 0.0 <= row["stable/routing/disagreement"] < 0.1
         assert "stable/routing/replayed_rows" not in row
+    assert sum(row["stable/routing/disagreement"] for row in rows) > 0.0
