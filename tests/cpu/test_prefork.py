@@ -8,9 +8,12 @@ through the server logs what a plain run logs is asserted on two real runs in ``
 
 from __future__ import annotations
 
+import array
 import json
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -199,6 +202,27 @@ def test_a_refused_fork_starts_plain_python_and_says_why(server):
     seen = json.loads(out)
     assert client.returncode == 3 and seen["pid"] == client.pid and not seen["preloaded"]
     assert "MALLOC_ARENA_MAX" in err and "without the prefork server" in err
+
+
+def test_a_malformed_request_is_dropped_and_the_server_serves_on(server):
+    proc, env, tmp_path = server
+    for payload, fds in ((b'{"argv": 1}', 4), (b"not json", 4), (b"{}", 2)):
+        pipes = [os.pipe() for _ in range(fds)]
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(str(proc.socket_path))
+            ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [r for r, _ in pipes]))]
+            conn.sendmsg([struct.pack("!I", len(payload)) + payload], ancillary)
+            try:
+                answer = conn.recv(100)
+            except ConnectionResetError:  # closed with the payload unread
+                answer = b""
+            assert answer == b""  # dropped: no answer, the connection closed
+        for r, w in pipes:
+            os.close(r)
+            os.close(w)
+    seen = json.loads(_client({**env, **proc.env()}, [str(_script(tmp_path))], cwd=tmp_path).communicate(timeout=60)[0])
+    assert seen["preloaded"]
+    assert (tmp_path / "prefork.log").read_text().count("bad request") == 3
 
 
 def test_without_a_server_the_client_is_plain_python(tmp_path):

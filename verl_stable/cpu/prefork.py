@@ -242,15 +242,24 @@ def _receive(conn: socket.socket) -> tuple[Request, list[int]]:
         for fd in fds:
             os.close(fd)
         raise ValueError(f"malformed request ({len(head)} header bytes, {len(fds)} descriptors)")
-    (size,) = struct.unpack("!I", head)
-    body = bytearray()
-    while len(body) < size:
-        chunk = conn.recv(size - len(body))
-        if not chunk:
-            raise ValueError("the client closed the connection mid-request")
-        body += chunk
-    payload = json.loads(body)
-    return Request(list(payload["argv"]), dict(payload["env"]), str(payload["cwd"])), list(fds)
+    try:
+        (size,) = struct.unpack("!I", head)
+        body = bytearray()
+        while len(body) < size:
+            chunk = conn.recv(size - len(body))
+            if not chunk:
+                raise ValueError("the client closed the connection mid-request")
+            body += chunk
+        payload = json.loads(body)
+        argv, env, cwd = payload["argv"], payload["env"], payload["cwd"]
+        if not (isinstance(argv, list) and isinstance(env, dict) and isinstance(cwd, str)):
+            raise TypeError(f"argv {type(argv).__name__}, env {type(env).__name__}, cwd {type(cwd).__name__}")
+        request = Request([str(a) for a in argv], {str(k): str(v) for k, v in env.items()}, cwd)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError(f"malformed request: {type(exc).__name__}: {exc}") from exc
+    return request, list(fds)
 
 
 class PreforkServer:
@@ -328,6 +337,9 @@ class PreforkServer:
                     os.read(wake_r, 512)
                 elif key.data == "lifeline" and not os.read(self.lifeline_fd, 512):
                     stopping = True
+                    selector.unregister(self.lifeline_fd)
+                    if self.children:
+                        self.say(f"the launcher is done; waiting for {len(self.children)} children")
             if stopping and self.sock.fileno() >= 0:
                 selector.unregister(self.sock)
                 self.sock.close()
