@@ -12,17 +12,20 @@ server for a fork and otherwise becomes plain Python. Linux only (``fork`` and `
 **What a child is.** Its standard streams, environment, working directory and arguments are the client's, so it runs
 the script (``default_worker.py``) or module (``-m verl.trainer.main_ppo``) exactly as the plain process would, in
 a session of its own, and dies with the client (a lifeline pipe). What it inherits from the server is the preloaded
-modules, and their state is what those imports made of the *server's* environment. So before forking, the server
-compares (:func:`import_time_differences`) every variable the preload read from Python (recorded while importing,
-:class:`EnvReads`) and every variable native code reads at load or first use (:data:`NATIVE_PREFIXES`) between
-its environment and the child's; a difference means the child would not be the process it replaces, and the server
-refuses: the client starts plain Python. The thread counts (:data:`THREAD_VARIABLES`) are the one difference it
-fixes instead (``torch.set_num_threads``, what torch does with the variable in a fresh process): Ray gives actors
-their own ``OMP_NUM_THREADS``. Ray itself is never preloaded: ``import ray`` fixes Ray's C++ configuration from the
-environment of the importing process, and a worker's job id (``RAY_JOB_ID``) is in it.
+modules, and their state is what those imports made of the *server's* environment and working directory. So before
+forking, the server compares (:func:`import_time_differences`) every variable the preload read from Python (recorded
+while importing, :class:`EnvReads`) and every variable native code reads at load or first use
+(:data:`NATIVE_PREFIXES`) between its environment and the child's, and the working directories; a difference means
+the child would not be the process it replaces, and the server refuses: the client starts plain Python. The thread
+count (:data:`THREAD_VARIABLES`) is the one difference a child fixes instead (``torch.set_num_threads``, what OpenMP
+does with the variable when torch loads in a fresh process): at the fork when the client's environment has another
+value, and when Ray sets an actor's ``OMP_NUM_THREADS`` later (:func:`_apply_rays_thread_count`; in a plain worker
+that happens before torch is imported). Ray itself is never preloaded: ``import ray`` fixes Ray's C++ configuration
+from the environment of the importing process, and a worker's job id (``RAY_JOB_ID``) is in it.
 
-**What is measured** (``python benchmarks/bench_run_startup.py``) and why it is on by default in the CPU launcher is
-in ``docs/cpu-runtime.md``; ``VERL_STABLE_PREFORK=0`` turns it off for a run.
+**What is measured** (``python benchmarks/bench_run_startup.py``: a run's wall 0.567x and CPU 0.517x of the same run
+without the server; a forked run logs the plain run's values bit for bit) is in ``docs/cpu-runtime.md`` and
+``docs/benchmarks.md``; ``VERL_STABLE_PREFORK=0`` turns it off for a run.
 
     python -c 'import sys; from verl_stable.cpu.prefork import main; sys.exit(main(sys.argv[1:]))' \
         --socket PATH [--lifeline-fd N] [--modules a,b]                   # what ServerProcess starts
