@@ -11,6 +11,7 @@ from __future__ import annotations
 import array
 import json
 import os
+import shlex
 import signal
 import socket
 import struct
@@ -332,3 +333,30 @@ def test_the_real_preload_serves_and_never_imports_ray(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "[] []"
+
+
+# ---------------------------------------------------------------- the launcher's choice
+
+
+def test_the_switch_is_strictly_zero_or_one():
+    assert prefork.enabled({}) is sys.platform.startswith("linux")
+    assert prefork.enabled({prefork.ENV_SWITCH: "1"}) is sys.platform.startswith("linux")
+    assert prefork.enabled({prefork.ENV_SWITCH: "0"}) is False
+    for bad in ("true", "yes", "", " 1"):
+        with pytest.raises(ValueError, match=prefork.ENV_SWITCH):
+            prefork.enabled({prefork.ENV_SWITCH: bad})
+
+
+def test_the_launcher_routes_the_driver_and_workers_through_a_named_server_and_respects_an_override(tmp_path):
+    from verl_stable.toy.trainer_process import _PY_EXECUTABLE_KEY, _prefork_server, hydra_quote
+
+    with _prefork_server({prefork.ENV_SWITCH: "0"}, tmp_path, []) as (python, extra):
+        assert (python, extra) == ([sys.executable], [])
+    named = {prefork.ENV_SOCKET: str(tmp_path / "sweep.sock")}
+    with _prefork_server(dict(named), tmp_path, []) as (python, extra):
+        assert python == prefork.client_command()
+        assert extra == [f"++{_PY_EXECUTABLE_KEY}={hydra_quote(shlex.join(prefork.client_command()))}"]
+    assert not (tmp_path / "prefork.log").exists()  # a named server is used, none is started
+    mine = f"+{_PY_EXECUTABLE_KEY}=/opt/python"
+    with _prefork_server(dict(named), tmp_path, [mine]) as (python, extra):
+        assert python == prefork.client_command() and extra == []
