@@ -173,6 +173,38 @@ def test_the_judged_kl_is_step_one_where_both_arms_share_weights_and_a_later_spi
     assert "median-step KL(mu‖pi_old) k3 | step-1 KL(mu‖pi_old) k3" in table.splitlines()[0]
 
 
+def test_the_step_one_median_token_gap_is_shown_beside_the_kl_one_outlier_token_decides():
+    # seeds 40-43 of session 22 at step 1 (KL k3 and median |log mu - log pi_old|, rounded): on seed 41 one int4
+    # outlier token is the whole KL in both arms, so the KL ties there while the typical token's gap does not
+    kl = {"minirl": [1.1e-3, 7.88e-3, 2.5e-4, 9.9e-4], "minirl_r3": [3.5e-5, 7.93e-3, 1.3e-4, 4.4e-5]}
+    gap = {"minirl": [8e-3, 1e-2, 6e-3, 9e-3], "minirl_r3": [2e-3, 4e-3, 2e-3, 3e-3]}
+    rows = []
+    for variant in kl:
+        for seed in range(4):
+            extra = {
+                "stable/train_inf/kl_k3": kl[variant][seed],
+                "stable/train_inf/log_ratio_abs_median": gap[variant][seed],
+            }
+            rows += [_row(variant, 4, step, 0.3, seed=seed, **extra) for step in (1, 2)]
+    bypass = [_row("dppo", 4, 1, 0.3, **{"stable/train_inf/log_ratio_abs_median": 0.0})]  # mu against mu
+    assert R.summarize_run(bypass).gap_median_first is None
+    cells = R.summarize(rows)
+    (r3,) = R.switch_results(cells)
+    found = {c.metric: c for c, _ in r3.comparisons}
+    # judged KL: log10 differences -1.497, +0.0027, -0.283, -1.352 change sign: nothing found
+    assert found["kl_k3_first"].verdict == "no effect"
+    assert found["kl_k3_first"].diffs[1] == pytest.approx(math.log10(7.93 / 7.88))
+    # the gap, shown: log10 differences -0.602, -0.398, -0.477, -0.477: mean -0.4886, sd 0.0844, t = -11.58
+    g = found["gap_median_first"]
+    assert g.diffs == pytest.approx(
+        tuple(math.log10(a / b) for a, b in zip(gap["minirl_r3"], gap["minirl"], strict=True))
+    )
+    assert g.verdict == "lower" and g.paired.t == pytest.approx(-11.58, abs=0.01)
+    assert ("gap_median_first", None) in r3.switch.judged  # shown, not judged: no verdict of the switch rests on it
+    assert "| R3 | no effect measured |" in R.answer_table([r3])
+    assert "step-1 median token gap |log mu - log pi_old|" in R.table(cells).splitlines()[0]
+
+
 def test_a_run_without_a_logged_step_one_has_no_step_one_kl():
     rows = [_row("minirl", 4, step, 0.3, seed=0, **{"stable/train_inf/kl_k3": 1e-3}) for step in (2, 3)]
     rows.append(_row("minirl", 4, 1, 0.3, seed=1))  # step 1 logged without the KL, steps 2-3 with it

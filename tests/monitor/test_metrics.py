@@ -32,6 +32,26 @@ def test_train_inference_kl_and_extreme_fraction_by_hand():
     assert out["stable/train_inf/ratio_min"] == pytest.approx(min(ratios))
     assert out["stable/train_inf/ratio_mean"] == pytest.approx(sum(ratios) / 5)
     assert out["stable/train_inf/nonfinite_frac"] == 0.0
+    # |d| over the valid tokens: 0.2, 0, 1.8, 0, 2.0 -> sorted 0, 0, 0.2, 1.8, 2.0: the third
+    assert out["stable/train_inf/log_ratio_abs_median"] == pytest.approx(0.2)
+
+
+def test_the_median_token_gap_ignores_one_outlier_that_decides_the_means():
+    # 99 tokens 1 % apart, one the engines disagree on by a factor of 7 (the int4 outlier of a lab run, seed 41)
+    logp_mu = torch.zeros(1, 100)
+    logp_old = torch.full((1, 100), -0.01)
+    logp_old[0, 37] = math.log(0.15)
+    out = M.train_inference_metrics(logp_mu, logp_old, torch.ones(1, 100))
+    outlier_k3 = 0.15 - 1 - math.log(0.15)
+    typical_k3 = math.exp(-0.01) - 1 + 0.01
+    assert out["stable/train_inf/kl_k3"] == pytest.approx((99 * typical_k3 + outlier_k3) / 100)
+    assert outlier_k3 / 100 > 100 * typical_k3  # the one token is >99 % of the mean
+    assert out["stable/train_inf/log_ratio_abs_median"] == pytest.approx(0.01)
+    # an even count takes the lower middle value; a padded position never counts
+    even = M.train_inference_metrics(
+        torch.zeros(1, 5), torch.tensor([[-0.1, -0.2, -0.3, -0.4, -50.0]]), torch.tensor([[1, 1, 1, 1, 0]])
+    )
+    assert even["stable/train_inf/log_ratio_abs_median"] == pytest.approx(0.2)
 
 
 def test_extreme_fraction_counts_both_directions():

@@ -52,13 +52,20 @@ TABLE_FIELDS = (
     "kl_k3",
     "kl_k3_median",
     "kl_k3_first",
+    "gap_median_first",
     "f2",
     "clip_frac",
     "routing_disagreement",
     "routing_layer_max",
     "router_disagreement",
 )
-DIGITS = {"kl_k3": 0, "kl_k3_median": 0, "kl_k3_first": 0, "f2": 4}  # 0: scientific (KL spans decades)
+DIGITS = {
+    "kl_k3": 0,
+    "kl_k3_median": 0,
+    "kl_k3_first": 0,
+    "gap_median_first": 0,
+    "f2": 4,
+}  # 0: scientific (KL spans decades)
 
 
 def table(cells: Sequence[CellSummary]) -> str:

@@ -23,6 +23,7 @@ JUDGED = (
     ("kl_k3_first", "lower"),
     ("clip_frac", "lower"),
     ("late_reward", "higher"),
+    ("gap_median_first", None),
     ("kl_k3_median", None),
     ("final_entropy", None),
 )

@@ -1,0 +1,78 @@
+"""Fit the lab's pre-start estimate (:mod:`verl_stable.lab.timing`) to sweeps measured from an empty ``--out``.
+
+A sweep prints an estimate before it starts: each run costs ``STARTUP_S + steps x N x STEP_S_PER_MINI_BATCH`` of wall
+time, runs go ``--jobs`` at a time. This script reads the runs of one or more finished sweeps (each ``--out``'s
+``runs/*/outcome.json``, whose ``started`` and ``finished`` the sweep wrote, and the run's step count and N), fits the
+two constants by least squares over every run (``wall = a + b x steps x N``), and prints, for every sweep, the span it
+took (first run's start to last run's end; the cold start before it is not in the records) against the estimate with
+the shipped constants and with the fitted ones. Runs must have gone two at a time on an otherwise idle host, as the
+constants assume; a run that failed or was retried is left out.
+
+    python benchmarks/fit_lab_timing.py OUT [OUT ...] [--jobs 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import numpy as np
+
+from verl_stable.lab import timing
+from verl_stable.lab.outcomes import run_records
+
+
+def _timed(record: dict) -> tuple[float, float, float, int, int] | None:
+    """(started, finished, wall, steps, N) of a run that finished on its first attempt, else None."""
+    started, finished = record.get("started"), record.get("finished")
+    if not all(isinstance(t, (int, float)) and math.isfinite(t) for t in (started, finished)) or finished <= started:
+        return None
+    if record.get("returncode") != 0 or record.get("attempts", 1) != 1:
+        return None
+    return float(started), float(finished), float(finished - started), int(record["steps"]), int(record["staleness"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", nargs="+", type=Path, help="finished sweeps' --out directories")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at once in those sweeps (default 2)")
+    args = parser.parse_args()
+
+    sweeps = {}
+    for out in args.out:
+        runs = [t for t in (_timed(r) for r in run_records(out)) if t is not None]
+        if not runs:
+            raise SystemExit(f"{out}: no run with a start and end time that finished on its first attempt")
+        sweeps[out] = runs
+    everything = [run for runs in sweeps.values() for run in runs]
+    if len({steps * n for _, _, _, steps, n in everything}) < 2:
+        raise SystemExit(
+            "every run has the same steps x N: the start-up and the per-step cost cannot be told apart; "
+            "give sweeps of different lengths or staleness (e.g. the default and stability presets)"
+        )
+    design = np.array([[1.0, steps * n] for _, _, _, steps, n in everything])
+    walls = np.array([wall for _, _, wall, _, _ in everything])
+    (a, b), *_ = np.linalg.lstsq(design, walls, rcond=None)
+    residual = walls - design @ np.array([a, b])
+    print(f"{len(everything)} runs from {len(sweeps)} sweep(s): wall = {a:.1f} s + {b:.3f} s x steps x N "
+          f"(residual sd {residual.std(ddof=2) if len(everything) > 2 else float('nan'):.1f} s); shipped: "
+          f"{timing.STARTUP_S:.1f} s + {timing.STEP_S_PER_MINI_BATCH:.3f} s")  # fmt: skip
+
+    def estimate(startup: float, per: float, runs: list) -> float:
+        queues = [0.0] * args.jobs
+        for _, _, _, steps, n in runs:
+            i = queues.index(min(queues))
+            queues[i] += startup + steps * n * per
+        return max(queues)
+
+    for out, runs in sweeps.items():
+        span = max(f for _, f, _, _, _ in runs) - min(s for s, _, _, _, _ in runs)
+        shipped = estimate(timing.STARTUP_S, timing.STEP_S_PER_MINI_BATCH, runs)
+        fitted = estimate(a, b, runs)
+        print(f"{out}: {len(runs)} runs in {span / 60:.1f} min; estimate {shipped / 60:.1f} min shipped "
+              f"({shipped / span:.2f}x), {fitted / 60:.1f} min fitted ({fitted / span:.2f}x)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
