@@ -13,13 +13,15 @@ from verl_stable.lab import variants as V
 
 def test_presets_cover_the_issue():
     default = sweep.PRESETS["default"]
-    assert set(default.runs) == {("minirl", 4), ("minirl_r3", 4)} and len(default.seeds) >= 4  # docs/lab.md: power
+    assert set(default.runs) == {("minirl", 4), ("minirl_r3", 4)} and len(default.seeds) >= 6  # docs/lab.md: power
     from verl_stable.lab.timing import estimate_seconds
 
     runs = default.run_specs()  # the default's budget: 10 minutes, two runs at a time
     assert estimate_seconds(len(runs), default.steps, [s.staleness for s in runs], jobs=2) <= 600
     evidence = sweep.PRESETS["evidence"]
-    assert len(evidence.seeds) >= 4  # the step-1 KL question needs 4 (docs/lab.md)
+    assert evidence.seeds == default.seeds  # its R3 rows ask the default's question (docs/lab.md: power)
+    runs = evidence.run_specs()  # the evidence preset's budget: 60 minutes
+    assert estimate_seconds(len(runs), evidence.steps, [s.staleness for s in runs], jobs=2) <= 3600
     assert {("reinforce_no_is", 1), ("minirl", 1)} <= set(evidence.runs)  # the IS weight on-policy
     assert {(v, 4) for v in ("minirl", "minirl_r2", "minirl_r3", "vespo")} <= set(evidence.runs)  # replay, VESPO
     assert {("minirl", 8), ("minirl_noclip", 8)} <= set(evidence.runs)  # clipping under staleness
@@ -271,13 +273,16 @@ def test_the_cli_prints_the_estimate_for_the_runs_left(tmp_path, monkeypatch):
     monkeypatch.setattr(sweep, "check_sweep", lambda out, preset, **kw: preset.select(kw.get("only")))
 
     def fake_run_sweep(out, preset, *, announce, **kwargs):
-        announce(preset.run_specs()[:3])  # 5 of the default preset's 8 runs complete on disk
+        announce(preset.run_specs()[:3])  # all but 3 of the default preset's runs complete on disk
         return []
 
     monkeypatch.setattr(sweep, "run_sweep", fake_run_sweep)
     assert cli.main(["--out", str(tmp_path / "lab"), "--jobs", "2"], out=lines.append) == 1  # no metrics: nothing ran
     default = sweep.PRESETS["default"]
-    whole = timing.estimate_seconds(8, default.steps, [4] * 8, 2)
+    total = len(default.run_specs())
+    whole = timing.estimate_seconds(total, default.steps, [4] * total, 2)
     left = timing.estimate_seconds(3, default.steps, [4] * 3, 2)
-    assert lines[0].startswith(f"8 run(s) of {default.steps} steps, 2 at a time: about {whole / 60:.0f} min")
-    assert lines[1] == f"5 of the 8 run(s) already complete in --out: 3 to run, about {left / 60:.0f} min"
+    assert lines[0].startswith(f"{total} run(s) of {default.steps} steps, 2 at a time: about {whole / 60:.0f} min")
+    assert (
+        lines[1] == f"{total - 3} of the {total} run(s) already complete in --out: 3 to run, about {left / 60:.0f} min"
+    )

@@ -1,7 +1,7 @@
 """``verl-stable lab``: run the CPU comparison of the paper's variants with verl's own trainer and write the report.
 
-    verl-stable lab                       # default preset: R3 vs no replay at N = 4, 4 seeds (<= 10 min on 2 cores)
-    verl-stable lab --preset evidence --out ./lab_evidence   # the full comparison, 4 seeds (<= 60 min)
+    verl-stable lab                       # default preset: R3 vs no replay at N = 4, 6 seeds (<= 10 min on 2 cores)
+    verl-stable lab --preset evidence --out ./lab_evidence   # the full comparison, 6 seeds (<= 60 min)
     verl-stable lab --seeds 4 5 6 7 --out ./lab_rerun        # the same question on other seeds
     verl-stable lab --preset baselines --out ./lab_baselines  # MiniRL + R3 vs verl's TIS, DPPO, GRPO at N = 1, 4, 8
     verl-stable lab --preset stability --out ./lab_stability  # N = 8, 24 steps: where MiniRL without clipping fails

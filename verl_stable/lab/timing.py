@@ -19,13 +19,14 @@ from collections.abc import Mapping, Sequence
 
 from verl_stable.lab.summaries import group_runs
 
-STARTUP_S = 85.0
+STARTUP_S = 40.0
 """Per run, two runs at a time on 2 cores: wall time not spent in verl's later steps (start-up, step 1's extra
-~12 s, shutdown). Fitted with :data:`STEP_S_PER_MINI_BATCH` to the 76 runs of three sweeps measured from an empty
-``--out`` on one host in sessions 19-20 (the `default`, `evidence` and `stability` presets; least squares gave 81 s and
-0.71 s, rounded up): the estimate is then 6.5 min for the `default` preset (measured 5 min 41 s), 41 min for
-`evidence` (40 min 1 s) and 46 min for `stability` (43 min 51 s). Hosts differ: session 15's took ~2x as long per
-step for the `stability` preset (~97 min)."""
+seconds, shutdown), with every process forked from the prefork server (:mod:`verl_stable.cpu.prefork`). Fitted with
+:data:`STEP_S_PER_MINI_BATCH` by ``python benchmarks/fit_lab_timing.py`` to the 32 runs of the `stability` preset and
+a `default` sweep measured from an empty ``--out`` on one host in session 22 (least squares: 32.1 s and 0.700 s per
+mini-batch-step, residual sd 14 s), rounded up for slower hosts: the estimate is then 3.5 min for the `default`
+preset (measured 3 min 0 s of runs; 4 min 4 s on session 21's host), 37 min for `stability` (33.8 min) and 24 min
+for `evidence` (27 min 34 s on session 21's host). Before the prefork server: 85 s (sessions 19-20)."""
 STEP_S_PER_MINI_BATCH = 0.75
 """Per step and mini-batch of the lab's geometry (4 prompts x 4 samples), two runs at a time on 2 cores; a later step
 took 1.1-1.3 s at N = 1, 3.0-3.7 s at N = 4 and 5.9-7.4 s at N = 8 (medians over the `evidence` preset's runs, session
