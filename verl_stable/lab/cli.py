@@ -2,7 +2,7 @@
 
     verl-stable lab                       # default preset: R3 vs no replay at N = 4, 6 seeds (<= 10 min on 2 cores)
     verl-stable lab --preset evidence --out ./lab_evidence   # the full comparison, 6 seeds (<= 60 min)
-    verl-stable lab --seeds 4 5 6 7 --out ./lab_rerun        # the same question on other seeds
+    verl-stable lab --seeds 6 7 8 9 10 11 --out ./lab_rerun  # the same question on other seeds
     verl-stable lab --preset baselines --out ./lab_baselines  # MiniRL + R3 vs verl's TIS, DPPO, GRPO at N = 1, 4, 8
     verl-stable lab --preset stability --out ./lab_stability  # N = 8, 24 steps: where MiniRL without clipping fails
     verl-stable lab --variants minirl_r3 verl_tis dppo vanilla_grpo --staleness 8   # these variants, at N = 8
