@@ -23,8 +23,10 @@ Step 1's KL is itself a mean over the step's tokens, and one token can decide it
 token 7x the probability the fp32 trainer does, that token's k3 term (~1.0) outweighs a hundred tokens' routing
 mismatch, in both arms alike, so the arms' KLs come out equal whatever R3 did to the other tokens (seed 41 of the
 ``default`` preset, session 22). ``gap_median_first`` is step 1's median over tokens of ``|log mu - log pi_old|``
-(``stable/train_inf/log_ratio_abs_median``), the typical token's gap, which such a token cannot move; it is shown
-beside the judged KL (docs/lab.md, "Statistics").
+(``stable/train_inf/log_ratio_abs_median``), the typical token's gap, which such a token cannot move. Stated
+before running as the statistic to judge instead, it failed on 8 fresh seeds: R3 barely moves the typical token (most
+are near-certain under both engines), its effect is in the tail the KL weighs. So it is shown beside the judged KL, not
+judged (docs/lab.md, "What the lab found").
 """
 
 from __future__ import annotations

@@ -24,9 +24,10 @@ STARTUP_S = 40.0
 seconds, shutdown), with every process forked from the prefork server (:mod:`verl_stable.cpu.prefork`). Fitted with
 :data:`STEP_S_PER_MINI_BATCH` by ``python benchmarks/fit_lab_timing.py`` to the 32 runs of the `stability` preset and
 a `default` sweep measured from an empty ``--out`` on one host in session 22 (least squares: 32.1 s and 0.700 s per
-mini-batch-step, residual sd 14 s), rounded up for slower hosts: the estimate is then 3.5 min for the `default`
-preset (measured 3 min 0 s of runs; 4 min 4 s on session 21's host), 37 min for `stability` (33.8 min) and 24 min
-for `evidence` (27 min 34 s on session 21's host). Before the prefork server: 85 s (sessions 19-20)."""
+mini-batch-step, residual sd 14 s), rounded up for slower hosts: the estimate is then 3.5 min for that 4-seed
+`default` sweep (measured 3.0 min of runs) and 37 min for `stability` (33.8 min); for the 6-seed presets measured
+after the fit, 5 min for `default` (4 min 41 s) and 36 min for `evidence` (30 min 45 s). Before the prefork server:
+85 s (sessions 19-20)."""
 STEP_S_PER_MINI_BATCH = 0.75
 """Per step and mini-batch of the lab's geometry (4 prompts x 4 samples), two runs at a time on 2 cores; a later step
 took 1.1-1.3 s at N = 1, 3.0-3.7 s at N = 4 and 5.9-7.4 s at N = 8 (medians over the `evidence` preset's runs, session
