@@ -14,7 +14,6 @@ constants assume; a run that failed or was retried is left out.
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
 import numpy as np
@@ -23,14 +22,12 @@ from verl_stable.lab import timing
 from verl_stable.lab.outcomes import run_records
 
 
-def _timed(record: dict) -> tuple[float, float, float, int, int] | None:
-    """(started, finished, wall, steps, N) of a run that finished on its first attempt, else None."""
-    started, finished = record.get("started"), record.get("finished")
-    if not all(isinstance(t, (int, float)) and math.isfinite(t) for t in (started, finished)) or finished <= started:
+def _timed(record: dict) -> tuple[float, float, int, int] | None:
+    """(started, finished, steps, N) of a run that finished on its first attempt, else None."""
+    times = timing.run_times(record)
+    if times is None or record.get("returncode") != 0 or record.get("attempts", 1) != 1:
         return None
-    if record.get("returncode") != 0 or record.get("attempts", 1) != 1:
-        return None
-    return float(started), float(finished), float(finished - started), int(record["steps"]), int(record["staleness"])
+    return *times, int(record["steps"]), int(record["staleness"])
 
 
 def main() -> None:
@@ -46,30 +43,25 @@ def main() -> None:
             raise SystemExit(f"{out}: no run with a start and end time that finished on its first attempt")
         sweeps[out] = runs
     everything = [run for runs in sweeps.values() for run in runs]
-    if len({steps * n for _, _, _, steps, n in everything}) < 2:
+    if len({steps * n for _, _, steps, n in everything}) < 2:
         raise SystemExit(
             "every run has the same steps x N: the start-up and the per-step cost cannot be told apart; "
             "give sweeps of different lengths or staleness (e.g. the default and stability presets)"
         )
-    design = np.array([[1.0, steps * n] for _, _, _, steps, n in everything])
-    walls = np.array([wall for _, _, wall, _, _ in everything])
+    design = np.array([[1.0, steps * n] for _, _, steps, n in everything])
+    walls = np.array([finished - started for started, finished, _, _ in everything])
     (a, b), *_ = np.linalg.lstsq(design, walls, rcond=None)
     residual = walls - design @ np.array([a, b])
     print(f"{len(everything)} runs from {len(sweeps)} sweep(s): wall = {a:.1f} s + {b:.3f} s x steps x N "
           f"(residual sd {residual.std(ddof=2) if len(everything) > 2 else float('nan'):.1f} s); shipped: "
           f"{timing.STARTUP_S:.1f} s + {timing.STEP_S_PER_MINI_BATCH:.3f} s")  # fmt: skip
 
-    def estimate(startup: float, per: float, runs: list) -> float:
-        queues = [0.0] * args.jobs
-        for _, _, _, steps, n in runs:
-            i = queues.index(min(queues))
-            queues[i] += startup + steps * n * per
-        return max(queues)
-
     for out, runs in sweeps.items():
-        span = max(f for _, f, _, _, _ in runs) - min(s for s, _, _, _, _ in runs)
-        shipped = estimate(timing.STARTUP_S, timing.STEP_S_PER_MINI_BATCH, runs)
-        fitted = estimate(a, b, runs)
+        span = max(f for _, f, _, _ in runs) - min(s for s, _, _, _ in runs)
+        # as the CLI estimates before a sweep: every run the preset's step count
+        steps, staleness = max(st for _, _, st, _ in runs), [n for _, _, _, n in runs]
+        shipped = timing.estimate_seconds(len(runs), steps, staleness, args.jobs)
+        fitted = timing.estimate_seconds(len(runs), steps, staleness, args.jobs, startup_s=a, step_s=b)
         print(f"{out}: {len(runs)} runs in {span / 60:.1f} min; estimate {shipped / 60:.1f} min shipped "
               f"({shipped / span:.2f}x), {fitted / 60:.1f} min fitted ({fitted / span:.2f}x)")  # fmt: skip
 

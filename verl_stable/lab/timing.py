@@ -34,11 +34,20 @@ took 1.1-1.3 s at N = 1, 3.0-3.7 s at N = 4 and 5.9-7.4 s at N = 8 (medians over
 19)."""
 
 
-def estimate_seconds(num_runs: int, steps: int, staleness: Sequence[int], jobs: int) -> float:
+def estimate_seconds(
+    num_runs: int,
+    steps: int,
+    staleness: Sequence[int],
+    jobs: int,
+    *,
+    startup_s: float = STARTUP_S,
+    step_s: float = STEP_S_PER_MINI_BATCH,
+) -> float:
     """Wall seconds a sweep of ``num_runs`` runs (their N in ``staleness``, one per run) will take at ``jobs`` at once.
 
-    Runs start in order, ``jobs`` at a time; each takes :data:`STARTUP_S` plus ``steps`` x N x
-    :data:`STEP_S_PER_MINI_BATCH`. The estimate is the longest of the ``jobs`` queues.
+    Runs start in order, ``jobs`` at a time; each takes ``startup_s`` plus ``steps`` x N x ``step_s`` (by default
+    :data:`STARTUP_S` and :data:`STEP_S_PER_MINI_BATCH`; ``benchmarks/fit_lab_timing.py`` passes fitted ones). The
+    estimate is the longest of the ``jobs`` queues.
     """
     if num_runs != len(staleness):
         raise ValueError(f"{num_runs} runs but {len(staleness)} staleness values")
@@ -47,16 +56,26 @@ def estimate_seconds(num_runs: int, steps: int, staleness: Sequence[int], jobs: 
     queues = [0.0] * jobs
     for n in staleness:
         i = queues.index(min(queues))
-        queues[i] += STARTUP_S + steps * n * STEP_S_PER_MINI_BATCH
+        queues[i] += startup_s + steps * n * step_s
     return max(queues) if queues else 0.0
+
+
+def run_times(record: Mapping) -> tuple[float, float] | None:
+    """``(started, finished)`` of a run's record (``outcome.json``), or None when either is missing, not a finite
+    number, or the run did not end after it started."""
+    started, finished = record.get("started"), record.get("finished")
+    if not all(isinstance(t, (int, float)) and math.isfinite(t) for t in (started, finished)) or finished <= started:
+        return None
+    return float(started), float(finished)
 
 
 def run_split(record: Mapping, rows: Sequence[Mapping]) -> dict[str, float] | None:
     """One run's wall time split: ``wall``, ``steps`` (sum of ``timing_s/step``), ``first_step``, ``startup``
     (wall - steps) and ``startup_share``; None when the record has no times or the rows no step time."""
-    started, finished = record.get("started"), record.get("finished")
-    if not all(isinstance(t, (int, float)) and math.isfinite(t) for t in (started, finished)) or finished <= started:
+    times_of_run = run_times(record)
+    if times_of_run is None:
         return None
+    started, finished = times_of_run
     times = []  # (step, seconds) in the order logged: a step a guard rollback redid took its time twice
     for row in rows:
         t = row.get("timing_s/step")
@@ -65,7 +84,7 @@ def run_split(record: Mapping, rows: Sequence[Mapping]) -> dict[str, float] | No
     if not times:
         return None
     by_step = dict(reversed(times))  # each step's first time (step 1: verl's lazily created workers start)
-    wall = float(finished - started)
+    wall = finished - started
     steps = sum(t for _, t in times)
     startup = max(wall - steps, 0.0)
     return {

@@ -102,8 +102,9 @@ def train_inference_metrics(
       ``+inf`` in either input, ``-inf`` in both).
 
     A ``-inf`` log-prob on one side is probability zero: ``d = +-inf``, so ``kl_k3``, ``log_ratio_abs_mean`` (the
-    median only when half the tokens are such) and one of ``ratio_max = inf`` / ``ratio_min = 0`` follow. ``kl_k1`` is omitted when ``d`` holds both ``+inf`` and
-    ``-inf`` (its mean has no value). Log-probs above 0 are not rejected: the estimators are defined for any ``d``.
+    median only when half the tokens are such) and one of ``ratio_max = inf`` / ``ratio_min = 0`` follow. ``kl_k1``
+    is omitted when ``d`` holds both ``+inf`` and ``-inf`` (its mean has no value). Log-probs above 0 are not
+    rejected: the estimators are defined for any ``d``.
 
     Args:
         logp_mu: inference log-probs of the sampled tokens, ``[batch, len]``, floating point.
@@ -131,11 +132,12 @@ def train_inference_metrics(
     out[f"{TRAIN_INF}/ratio_mean"] = _mean_of_terms(torch.exp(-d), -d)
     out[f"{TRAIN_INF}/ratio_min"] = exp_or_inf(-float(d.max()))
     out[f"{TRAIN_INF}/ratio_max"] = exp_or_inf(-float(d.min()))
-    out[f"{TRAIN_INF}/log_ratio_abs_mean"] = safe_mean(d.abs())
-    out[f"{TRAIN_INF}/log_ratio_abs_median"] = to_float(d.abs().median())  # torch's median is the lower one
+    gap = d.abs()
+    out[f"{TRAIN_INF}/log_ratio_abs_mean"] = safe_mean(gap)
+    out[f"{TRAIN_INF}/log_ratio_abs_median"] = to_float(gap.median())  # torch's median is the lower one
     for tau, key in keyed_taus:
         # max(r, 1/r) > tau  <=>  |log r| > log tau, which avoids overflow of r and 1/r
-        out[f"{TRAIN_INF}/{key}"] = to_float((d.abs() > math.log(tau)).double().mean())
+        out[f"{TRAIN_INF}/{key}"] = to_float((gap > math.log(tau)).double().mean())
     return out
 
 
