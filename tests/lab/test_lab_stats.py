@@ -144,6 +144,23 @@ def test_mde_is_the_80_percent_power_difference():
         stats.mde(1.0, 0)
 
 
+def test_paired_power_is_the_inverse_of_the_mde_and_matches_simulation():
+    # at the MDE (5.6534893 standard errors at df 2) the power is 80 %: effect size 5.6534893 / sqrt(3) on 3 seeds
+    assert stats.paired_power(5.6534893 / math.sqrt(3), 3) == pytest.approx(0.80, abs=1e-6)
+    assert stats.paired_power(-5.6534893 / math.sqrt(3), 3) == pytest.approx(0.80, abs=1e-6)  # two-sided
+    assert stats.paired_power(0.0, 6) == pytest.approx(0.05, abs=1e-9)  # no effect: the test's level
+    # simulation, without scipy's noncentral t: 6 seeds, differences ~ N(1.8, 1); share of |t| > t_{0.975, 5}
+    rng = np.random.default_rng(1)
+    d = rng.normal(1.8, 1.0, size=(200_000, 6))
+    t = d.mean(axis=1) / (d.std(axis=1, ddof=1) / math.sqrt(6))
+    simulated = float(np.mean(np.abs(t) > scipy_stats.t.ppf(0.975, 5)))
+    assert stats.paired_power(1.8, 6) == pytest.approx(simulated, abs=0.005)
+    assert stats.paired_power(1.8, 4) < stats.paired_power(1.8, 6) < stats.paired_power(1.8, 8)
+    for bad, match in (((math.nan, 4), "effect size"), ((1.0, 1), ">= 2 seeds")):
+        with pytest.raises(ValueError, match=match):
+            stats.paired_power(*bad)
+
+
 def test_paired_edge_cases():
     one = stats.paired([0.3])
     assert (one.n, one.mean, one.sd, one.p, one.mde) == (1, 0.3, None, None, None) and one.p_flip == 1.0

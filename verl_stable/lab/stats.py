@@ -113,6 +113,25 @@ def _t_power(lam: float, df: float, t_crit: float) -> float:
     return float(stats.nct.sf(t_crit, df, lam)) + (0.0 if math.isnan(lower) else lower)
 
 
+def paired_power(effect_size: float, n: int, alpha: float = ALPHA) -> float:
+    """Power of the two-sided paired t-test on ``n`` seeds when the true mean difference is ``effect_size`` standard
+    deviations of the per-seed differences: ``P(|T_{n-1, lambda}| > t_{1 - alpha/2, n-1})``, ``lambda = effect_size
+    * sqrt(n)`` (the inverse of :func:`mde`: at the effect :func:`mde` returns, the power is :data:`POWER`).
+
+    Raises:
+        ValueError: ``effect_size`` non-finite, ``n`` < 2, or ``alpha`` outside (0, 1).
+    """
+    from scipy import stats
+
+    if not math.isfinite(effect_size):
+        raise ValueError(f"effect size must be finite, got {effect_size}")
+    if n < 2:
+        raise ValueError(f"a paired t-test needs >= 2 seeds, got {n}")
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must lie in (0, 1), got {alpha}")
+    return _t_power(abs(effect_size) * math.sqrt(n), n - 1, float(stats.t.ppf(1 - alpha / 2, n - 1)))
+
+
 def mde(se: float, df: float, alpha: float = ALPHA, power: float = POWER) -> float:
     """Minimum detectable effect of a two-sided t-test with standard error ``se`` on ``df`` degrees of freedom.
 
