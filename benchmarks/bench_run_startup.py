@@ -51,7 +51,7 @@ def _role(proc: psutil.Process) -> str | None:
     if not cmd:
         return None  # exiting: keep what it was seen as
     head = cmd[0]
-    if any("verl_stable.cpu.prefork import main" in part for part in cmd):
+    if any("verl_stable.cpu.prefork_server import main" in part for part in cmd):
         return "prefork server" if proc.ppid() == os.getpid() else "main_ppo (driver, forked)"
     if any(part.endswith("prefork_client.py") for part in cmd):
         return "prefork client"

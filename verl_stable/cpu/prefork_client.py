@@ -3,11 +3,11 @@
 Ray starts a worker as ``<py_executable> default_worker.py <args>`` and the CPU launcher starts verl's driver as
 ``<python> -m verl.trainer.main_ppo <args>``; with :mod:`verl_stable.cpu.prefork` on, the command in front of those
 arguments is ``<python> -I -S <this file>``. This script (the standard library only, so it starts in ~20 ms) sends its
-arguments, environment, working directory and standard streams to the server named by
-``VERL_STABLE_PREFORK_SOCKET`` and waits: on ``pid <n>`` a child of the server runs the process, this one forwards
-the signals it receives to it and exits as the child exits; on a refusal, a missing or silent server, anything
-unexpected, it ``exec``s ``<python> <args>`` -- the process Ray or the launcher would have started without the
-server, in this same process. A fork never changes what runs, only where its imports come from.
+arguments, environment, working directory and standard streams (the request: :mod:`verl_stable.cpu.prefork_protocol`)
+to the server named by ``VERL_STABLE_PREFORK_SOCKET`` and waits: on ``pid <n>`` a child of the server runs the
+process, this one forwards the signals it receives to it and exits as the child exits; on a refusal, a missing or
+silent server, anything unexpected, it ``exec``s ``<python> <args>`` -- the process Ray or the launcher would have
+started without the server, in this same process. A fork never changes what runs, only where its imports come from.
 
 The child dies with this process: it holds the read end of a pipe whose write end only this process has, and kills
 itself when the pipe closes (this process exited, even by ``SIGKILL``).

@@ -1,9 +1,9 @@
 """What one measured Megatron replay pass records: per-micro-batch count vectors and the router taps that fill them.
 
 :class:`~verl_stable.integration.megatron_replay.MegatronReplayMetricsMixin` opens an :class:`Audit` for each
-``forward_backward_batch`` it measures. Each replaying router gets a forward hook (the mixin's) that adds its counts to
-the vector of the micro-batch being forwarded, and a :class:`NativeChoiceTap` that keeps the router's own top-k choice
-of the same call (verl's replay discards it). Layout of a count vector (int64): per MoE layer
+``forward_backward_batch`` it measures. Each replaying router gets a forward hook (:func:`router_hook`) that adds its
+counts to the vector of the micro-batch being forwarded, and a :class:`NativeChoiceTap` that keeps the router's own
+top-k choice of the same call (verl's replay discards it). Layout of a count vector (int64): per MoE layer
 ``[replayed, differ, with data, own choice differs]`` (:data:`PER_LAYER` entries), then the coverage counts in the
 order of :data:`~verl_stable.metric_names.COVERAGE_COUNTS`, then three counters (router calls measured, calls without
 a row map, calls whose row map did not fit).
@@ -11,14 +11,17 @@ a row map, calls whose row map did not fit).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from verl_stable.metric_names import COVERAGE_COUNTS
+from verl_stable.routing.disagreement import expert_sets_differ
+from verl_stable.routing.replay_audit import coverage_row_counts, rows_with_data, used_vs_target
 
-__all__ = ["COVERAGE_WIDTH", "EXTRA", "PER_LAYER", "Audit", "NativeChoiceTap"]
+__all__ = ["COVERAGE_WIDTH", "EXTRA", "PER_LAYER", "Audit", "NativeChoiceTap", "router_hook"]
 
 # Per micro-batch count vector: per MoE layer [replayed, differ, with data, router's own choice differs], then the
 # coverage counts, then three counters.
@@ -108,3 +111,50 @@ class NativeChoiceTap:
 
     def remove(self) -> None:
         self._replay.__dict__.pop("get_replay_topk", None)
+
+
+def router_hook(audit: Audit) -> Callable[..., None]:
+    """The forward hook of one replaying router, counting into ``audit``.
+
+    In each replayed forward (not the backward's recomputation) it adds the router's used experts against verl's
+    targets, its own choice against them, and the coverage of its rows to the count vector of the micro-batch being
+    forwarded (the layout of the module docstring).
+    """
+    from verl.utils.megatron.router_replay_patch import RouterReplayAction
+
+    def hook(router: Any, args: Any, output: Any) -> None:
+        replay = router.router_replay
+        if replay.router_replay_action != RouterReplayAction.REPLAY_FORWARD:
+            return  # recording (R2 pi_old) or the backward's recomputation: counted once, in the forward
+        routing_map = output[1]
+        rows = routing_map.shape[0]
+        vector = audit.vector()
+        vector[-3] += 1
+        mask = replay.target_replay_mask
+        native = audit.native.pop(id(replay), None)
+        with torch.no_grad():
+            if replay.target_topk_idx is None:  # verl falls back to the router's own choice
+                covered = torch.zeros(rows, dtype=torch.bool, device=routing_map.device)
+            else:
+                target = replay.target_topk_idx.to(routing_map.device)
+                replayed, differ = used_vs_target(routing_map, target, mask)
+                base = PER_LAYER * audit.ordinals[router.layer_number]
+                vector[base] += replayed
+                vector[base + 1] += differ
+                # a replayed zero row (a token the rollout did not route) forced expert 0: not covered
+                covered = rows_with_data(target)
+                if mask is not None:
+                    covered &= mask.to(routing_map.device).bool()
+                if native is not None and native.shape == target.shape:
+                    own_differs = expert_sets_differ(native.to(torch.long), target.to(torch.long)) & covered
+                    vector[base + 2] += covered.sum()
+                    vector[base + 3] += own_differs.sum()
+            if audit.rows is None:
+                vector[-2] += 1
+            elif audit.rows.shape[0] != rows:
+                vector[-1] += 1
+            else:
+                start = PER_LAYER * len(audit.ordinals)
+                vector[start : start + COVERAGE_WIDTH] += coverage_row_counts(audit.rows, covered)
+
+    return hook

@@ -31,9 +31,10 @@ Metrics, per micro-batch, under the names the FSDP replay engine uses where the 
   :mod:`verl_stable.routing.replay_pass`): the rows the routers saw by class (response / prompt rows before the
   sample's last trained token, not-needed rows, packing pad), with how many of each took a replayed routing, in
   (row, MoE layer) rows. A row verl replays from a zero target (a token the rollout did not route: verl forces
-  expert 0 there) counts as not replayed, as FSDP counts a row without data. The row of each router input is mapped to its token by packing the micro-batch's token
-  classes with verl's own ``preprocess_thd_engine`` (the call verl packs the targets with) and splitting them for
-  sequence parallelism, so the classes land on the router rows the targets do; a micro-batch whose mapping does not
+  expert 0 there) counts as not replayed, as FSDP counts a row without data. The row of each router input is mapped
+  to its token by packing the micro-batch's token classes with verl's own ``preprocess_thd_engine`` (the call verl
+  packs the targets with) and splitting them for sequence parallelism, so the classes land on the router rows the
+  targets do; a micro-batch whose mapping does not
   match the router's rows (a packing rule this module does not know) reports no coverage, with a warning.
   Coverage needs ``response_mask`` (verl's layout: ``[B, R]`` next to ``attention_mask``, or nested per response).
 
@@ -61,7 +62,8 @@ the actor, into verl's own int16 ``routed_experts`` (all decoder layers) before 
 replay does none): verl's Megatron replay then runs on exactly what verl's own agent loop would have given it, while
 the transport stays compact. (The FSDP engine, which aligns the rows itself, takes the MoE-layer rows instead.)
 
-Building the engine classes (:func:`engine_class`) and registering the language-model class for verl's
+The routers' forward hook and what it counts into are :mod:`verl_stable.integration.megatron_audit`. Building the
+engine classes (:func:`engine_class`) and registering the language-model class for verl's
 ``("megatron", cuda)`` engine keys (:func:`register`, a plugin step) are here too; the CPU engines of
 :mod:`verl_stable.cpu.megatron.engine` subclass :func:`engine_class`.
 """
@@ -86,18 +88,10 @@ from verl_stable.integration.losses import (
     stable_metric_aggregation,
     summed_count_metrics,
 )
-from verl_stable.integration.megatron_audit import COVERAGE_WIDTH, PER_LAYER, Audit, NativeChoiceTap
+from verl_stable.integration.megatron_audit import COVERAGE_WIDTH, PER_LAYER, Audit, NativeChoiceTap, router_hook
 from verl_stable.metric_names import COVERAGE, COVERAGE_COUNTS
-from verl_stable.routing.disagreement import expert_sets_differ
 from verl_stable.routing.families import layout_from_config
-from verl_stable.routing.replay_audit import (
-    ROW_PADDING,
-    coverage_row_counts,
-    disagreement_metrics,
-    rows_with_data,
-    token_classes,
-    used_vs_target,
-)
+from verl_stable.routing.replay_audit import ROW_PADDING, disagreement_metrics, token_classes
 from verl_stable.routing.replay_pass import METRIC_PREFIX, token_roles
 from verl_stable.transport.expansion import expand_compact_routing, without_compact_fields
 from verl_stable.transport.fields import IDS_FIELD
@@ -226,48 +220,8 @@ class MegatronReplayMetricsMixin:
             # the decoder's routers only: MTP layers restart their numbering (verl's replay skips them too)
             for router in getattr(chunk, "decoder", chunk).modules():
                 if isinstance(router, TopKRouter) and getattr(router, "router_replay", None) is not None:
-                    audit.handles.append(router.register_forward_hook(self._router_hook(audit)))
+                    audit.handles.append(router.register_forward_hook(router_hook(audit)))
                     audit.handles.append(NativeChoiceTap(router.router_replay, audit.native))
-
-    def _router_hook(self, audit: Audit) -> Callable[..., None]:
-        from verl.utils.megatron.router_replay_patch import RouterReplayAction
-
-        def hook(router: Any, args: Any, output: Any) -> None:
-            replay = router.router_replay
-            if replay.router_replay_action != RouterReplayAction.REPLAY_FORWARD:
-                return  # recording (R2 pi_old) or the backward's recomputation: counted once, in the forward
-            routing_map = output[1]
-            rows = routing_map.shape[0]
-            vector = audit.vector()
-            vector[-3] += 1
-            mask = replay.target_replay_mask
-            native = audit.native.pop(id(replay), None)
-            with torch.no_grad():
-                if replay.target_topk_idx is None:  # verl falls back to the router's own choice
-                    covered = torch.zeros(rows, dtype=torch.bool, device=routing_map.device)
-                else:
-                    target = replay.target_topk_idx.to(routing_map.device)
-                    replayed, differ = used_vs_target(routing_map, target, mask)
-                    base = PER_LAYER * audit.ordinals[router.layer_number]
-                    vector[base] += replayed
-                    vector[base + 1] += differ
-                    # a replayed zero row (a token the rollout did not route) forced expert 0: not covered
-                    covered = rows_with_data(target)
-                    if mask is not None:
-                        covered &= mask.to(routing_map.device).bool()
-                    if native is not None and native.shape == target.shape:
-                        own_differs = expert_sets_differ(native.to(torch.long), target.to(torch.long)) & covered
-                        vector[base + 2] += covered.sum()
-                        vector[base + 3] += own_differs.sum()
-                if audit.rows is None:
-                    vector[-2] += 1
-                elif audit.rows.shape[0] != rows:
-                    vector[-1] += 1
-                else:
-                    start = PER_LAYER * len(audit.ordinals)
-                    vector[start : start + COVERAGE_WIDTH] += coverage_row_counts(audit.rows, covered)
-
-        return hook
 
     def _router_rows(self, batch: TensorDict) -> torch.Tensor | None:
         """The token class of each row the routers see for ``batch``, packed and split the way verl packs targets.

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from verl_stable.routing.checks import check_wire_width, jagged_parts, span_pairs, unbind_integer
+from verl_stable.routing.checks import jagged_parts, span_pairs, unbind_integer
 from verl_stable.routing.codecs import (
     RoutedRows,
     RoutingFormatError,
@@ -38,6 +38,7 @@ from verl_stable.routing.codecs import (
     validate_ids,
     validate_rows,
 )
+from verl_stable.routing.payload_checks import check_wire_width
 from verl_stable.routing.trace import RoutingLayout, RoutingTrace
 from verl_stable.transport.boundary import BOUNDARY_FIELD
 from verl_stable.transport.fields import IDS_FIELD, SPAN_FIELD, rows_from_fields

@@ -22,7 +22,7 @@ One module per concern, every name re-exported here (``from verl_stable.routing.
 
 * :mod:`.common`: :class:`RoutedRows`, id validation against a layout and the layout helpers all engines share
   (the error classes are defined in :mod:`verl_stable.routing.errors`, the layout-free checks in
-  :mod:`verl_stable.routing.checks`);
+  :mod:`verl_stable.routing.checks` and :mod:`verl_stable.routing.payload_checks`);
 * :mod:`.vllm`, :mod:`.sglang`, :mod:`.verl`: one engine's decoders and (fixture) encoders each;
 * :mod:`.rows`: partial-rollout joins and the token-aligned :class:`~verl_stable.routing.trace.RoutingTrace`;
 * :mod:`.policy`: ``on_invalid`` (raise, or skip and count) around any decoder.

@@ -10,8 +10,8 @@ dtype too narrow for the model's expert ids (they would have wrapped) -- raises 
 A wrong ``layout`` argument (not a :class:`RoutingLayout`) is a caller bug and raises ``TypeError``.
 
 The error classes live in :mod:`verl_stable.routing.errors` and the layout-free checks in
-:mod:`verl_stable.routing.checks` (shared with the trace and the transport); the error classes are importable from
-here and from :mod:`verl_stable.routing.codecs` as before.
+:mod:`verl_stable.routing.checks` and :mod:`verl_stable.routing.payload_checks` (shared with the trace and the
+transport); the error classes are importable from here and from :mod:`verl_stable.routing.codecs` as before.
 """
 
 from __future__ import annotations
@@ -22,13 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from verl_stable.routing.checks import (
-    as_integer_array,
-    check_expert_ids,
-    check_wire_width,
-    count,
-    require_integer_np_dtype,
-)
+from verl_stable.routing.checks import count
 from verl_stable.routing.errors import (
     DuplicateExpertError,
     ExpertIdRangeError,
@@ -36,6 +30,12 @@ from verl_stable.routing.errors import (
     RoutingFormatError,
     RowCountError,
     ZeroRoutingError,
+)
+from verl_stable.routing.payload_checks import (
+    as_integer_array,
+    check_expert_ids,
+    check_wire_width,
+    require_integer_np_dtype,
 )
 from verl_stable.routing.trace import RoutingLayout, storage_dtype
 
@@ -123,8 +123,8 @@ def validate_ids(ids: np.ndarray, layout: RoutingLayout, *, start: int = 0) -> N
     (for ``top_k == 1`` a whole MoE layer of zeros over 8 or more rows, or an all-zero payload of 8 or more
     (row, MoE layer) entries, which random routing produces with probability at most ``num_experts**-8``; shorter
     or partly zero top-1 payloads cannot be told from routing to expert 0, see
-    :func:`~verl_stable.routing.checks.check_expert_ids`); distinct ids within every row. ``ids`` may also be a
-    tensor or nested lists.
+    :func:`~verl_stable.routing.payload_checks.check_expert_ids`); distinct ids within every row. ``ids`` may also
+    be a tensor or nested lists.
 
     Raises:
         LayerMapError: wrong number of MoE layers or top-k.

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from verl_stable.routing.checks import count, require_integer_np_dtype
+from verl_stable.routing.checks import count
 from verl_stable.routing.codecs.common import (
     RoutedRows,
     RoutingFormatError,
@@ -29,6 +29,7 @@ from verl_stable.routing.codecs.common import (
     smallest_uint_dtype,
     validate_rows,
 )
+from verl_stable.routing.payload_checks import require_integer_np_dtype
 from verl_stable.routing.trace import RoutingLayout
 
 
