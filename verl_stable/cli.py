@@ -13,6 +13,7 @@ import argparse
 import importlib
 import importlib.metadata as md
 import json
+import os
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -183,6 +184,35 @@ def model_config_problem(model: str | Path) -> str | None:
     return None
 
 
+MAX_BUILD_LAYERS = 1024
+"""``doctor --model`` builds the model on the meta device up to this many decoder layers (about 2.5 ms a layer)."""
+
+
+def model_build_problem(model: str | Path, num_hidden_layers: int) -> str | None:
+    """Why transformers cannot build the checkpoint's model from its ``config.json``; None when it builds, or when it
+    is not tried (no causal-LM class for the model type, more than :data:`MAX_BUILD_LAYERS` layers).
+
+    The model is built on the meta device: no memory for weights, nothing downloaded, no weights read. A config whose
+    values pass every check of its own can still fail in the model's constructor (Qwen2/3-MoE with
+    ``decoder_sparse_step: 0`` divides by it), and a model transformers cannot build cannot be trained.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    path = Path(model)
+    path = path.parent if path.is_file() else path
+    config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+    if num_hidden_layers > MAX_BUILD_LAYERS or config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return None
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # noqa: BLE001 - whatever the constructor raises is the verdict
+        return f"transformers cannot build the model from its config.json: {type(exc).__name__}: {exc}"
+    return None
+
+
 def _check_model(model: str, out: Callable[[str], None]) -> list[str]:
     from verl_stable.routing.describe import describe_model_routing, format_routing_report
 
@@ -191,6 +221,8 @@ def _check_model(model: str, out: Callable[[str], None]) -> list[str]:
     if problem is None:
         try:
             report = describe_model_routing(model)
+            if report["replayable"]:
+                problem = model_build_problem(model, report["num_hidden_layers"])
         except Exception as exc:  # noqa: BLE001 - a checkpoint transformers cannot read still gets a verdict
             problem = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
     if problem is not None:
@@ -250,6 +282,32 @@ def _checkpoint(text: str) -> str:
     )
 
 
+def _log_file(text: str) -> str:
+    """argparse type of ``doctor --log``: a file it can append to (created with its folders if missing).
+
+    A directory, something below a file, or a place this user cannot write is refused here, before anything is
+    diverted into it: opening it later would fail with a traceback mid-check.
+    """
+    path = Path(text).absolute()
+    expected = "expected a file to append to (created if missing)"
+    if path.exists() and not path.is_file():
+        kind = "a directory" if path.is_dir() else "not a regular file"
+        raise argparse.ArgumentTypeError(f"{text!r} is {kind}; {expected}")
+    nearest = next(p for p in path.parents if p.exists())
+    if not nearest.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} lies below the file {nearest}; {expected}")
+    if path.exists():
+        try:
+            open(path, "ab").close()  # appending nothing leaves the user's file as it was
+        except OSError as exc:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} cannot be appended to ({exc.strerror or exc}); {expected}"
+            ) from None
+    elif not os.access(nearest, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be created: {nearest} is not writable by this user")
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``verl-stable``; ``run``, ``recipe`` and ``lab`` parse their own arguments.
 
@@ -265,6 +323,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=DESCRIPTION,
         epilog="Each command has its own --help. Bad arguments are refused before anything starts (exit code 2).",
     )
+    # the installed distribution's version, not __version__: what a bug report needs is what pip installed
+    installed = _version("verl-stable") or "unknown (not installed)"
+    parser.add_argument("--version", action="version", version=f"verl-stable {installed}")
     sub = parser.add_subparsers(dest="command", required=True)
     p_doc = sub.add_parser("doctor", help="versions, registrations and contracts with the installed verl")
     p_doc.add_argument(
@@ -275,6 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p_doc.add_argument(
         "--log",
+        type=_log_file,
         default=str(Path(tempfile.gettempdir()) / "verl-stable-doctor.log"),
         help="the file the third-party messages of the check are appended to (default: %(default)s)",
     )

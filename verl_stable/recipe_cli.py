@@ -30,6 +30,7 @@ from verl_stable.recipes import (
     unknown_recipe_keys,
     verl_configs,
 )
+from verl_stable.recipes.strict_yaml import RecipeFileError, read_recipe_file
 from verl_stable.toy import launch
 
 
@@ -45,15 +46,18 @@ def _cmd_check(name: str, overrides: Sequence[str], out: Callable[[str], None]) 
     """``check``: every problem of the recipe with ``overrides`` as one line, then the verdict; 1 when any."""
     backend, regime = parse_recipe_name(name)
     path = recipe_path(backend, regime)
+    cfg = None
     try:
         problems = [f"unknown key {k} (not in verl's {BACKENDS[backend]})" for k in unknown_recipe_keys(path)]
+    except RecipeFileError as exc:  # the file itself is malformed: composing it would only say so again
+        problems = [f"cannot read the recipe {exc}"]
     except Exception as exc:  # noqa: BLE001 - a recipe from $VERL_STABLE_RECIPES may be any file
         problems = [f"cannot read the recipe {path}: {type(exc).__name__}: {exc}"]
-    try:
-        cfg = compose_recipe(backend, regime, overrides)
-    except Exception as exc:  # noqa: BLE001 - hydra's refusal (a key not in verl's config ...) is the answer
-        cfg = None
-        problems.append(f"the overrides do not compose on the recipe: {type(exc).__name__}: {exc}")
+    else:
+        try:
+            cfg = compose_recipe(backend, regime, overrides)
+        except Exception as exc:  # noqa: BLE001 - hydra's refusal (a key not in verl's config ...) is the answer
+            problems.append(f"the overrides do not compose on the recipe: {type(exc).__name__}: {exc}")
     if cfg is not None:
         problems += [
             f"unknown key {k} (added by an override; expected a key of verl's {BACKENDS[backend]} or of verl-stable)"
@@ -138,6 +142,10 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
     if args.action == "show":
         from omegaconf import OmegaConf
 
+        try:
+            read_recipe_file(path)
+        except RecipeFileError as exc:
+            parser.error(f"cannot read the recipe {exc}")
         try:
             cfg = compose_recipe(backend, regime, args.overrides)
         except Exception as exc:  # noqa: BLE001 - hydra's refusal is reported, not raised

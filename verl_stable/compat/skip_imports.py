@@ -60,17 +60,16 @@ class _SkipFinder(importlib.abc.MetaPathFinder):
 
 
 def requested(environ: os._Environ | dict[str, str] | None = None) -> tuple[str, ...]:
-    """The groups ``VERL_STABLE_SKIP_IMPORTS`` names (comma-separated), in order, without repeats.
+    """The groups ``VERL_STABLE_SKIP_IMPORTS`` names (comma-separated), in order, without repeats
+    (:data:`verl_stable.env_vars.SKIP_IMPORTS`).
 
     Raises:
         ValueError: a name that is not a group of :data:`GROUPS`.
     """
-    environ = os.environ if environ is None else environ
-    names = tuple(dict.fromkeys(n.strip() for n in environ.get(ENV_SKIP_IMPORTS, "").split(",") if n.strip()))
-    unknown = [n for n in names if n not in GROUPS]
-    if unknown:
-        raise ValueError(f"{ENV_SKIP_IMPORTS} names unknown groups {unknown}; known: {', '.join(GROUPS)}")
-    return names
+    # imported here: compat imports nothing of the project at its top (docs/architecture.md)
+    from verl_stable import env_vars
+
+    return env_vars.SKIP_IMPORTS.read(environ)
 
 
 def active_groups() -> tuple[str, ...]:

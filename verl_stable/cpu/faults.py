@@ -16,15 +16,15 @@ faulty step does not meet the fault again, while a new process that resumes from
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from collections.abc import Iterator
 from typing import Any
 
+from verl_stable import env_vars
 from verl_stable.compat.import_hooks import when_imported
 from verl_stable.cpu.platform import cpu_selected
 
-LR_SPIKE_ENV = "VERL_STABLE_FAULT_LR_SPIKE"
+LR_SPIKE_ENV = env_vars.FAULT_LR_SPIKE.name
 FSDP_ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 
 _INSTALLED: dict[str, Any] = {}  # "optimizer_step" -> verl's original, while the fault is installed
@@ -32,21 +32,16 @@ _REQUESTED: dict[str, tuple[int, float]] = {}  # "lr_spike" -> (k, factor) asked
 
 
 def parse_lr_spike(value: str) -> tuple[int, float]:
-    """``"<k>:<factor>"`` -> ``(k, factor)``.
+    """``"<k>:<factor>"`` -> ``(k, factor)`` (:data:`verl_stable.env_vars.FAULT_LR_SPIKE`).
 
     Raises:
-        ValueError: not two fields, ``k`` not an integer >= 1, or ``factor`` not a finite number > 0.
+        ValueError: not two fields, ``k`` not an integer >= 1, or ``factor`` not a finite number > 0; the message
+            names :data:`LR_SPIKE_ENV` and the accepted form.
     """
-    parts = value.split(":")
-    if len(parts) != 2:
-        raise ValueError(f"{LR_SPIKE_ENV} must be '<optimizer step>:<factor>', got {value!r}")
-    try:
-        step, factor = int(parts[0]), float(parts[1])
-    except ValueError:
-        raise ValueError(f"{LR_SPIKE_ENV} must be '<optimizer step>:<factor>', got {value!r}") from None
-    if step < 1 or not (math.isfinite(factor) and factor > 0):
-        raise ValueError(f"{LR_SPIKE_ENV}: the step must be >= 1 and the factor a finite number > 0, got {value!r}")
-    return step, factor
+    parsed = env_vars.FAULT_LR_SPIKE.read({LR_SPIKE_ENV: value})
+    if parsed is None:
+        raise env_vars.EnvVarError(f"{LR_SPIKE_ENV} is empty; expected {env_vars.FAULT_LR_SPIKE.accepted}")
+    return parsed
 
 
 @contextlib.contextmanager
@@ -100,10 +95,10 @@ def register(environ: dict[str, str] | os._Environ | None = None) -> list[str]:
         ValueError: a malformed :data:`LR_SPIKE_ENV` (checked even before verl's engine module is imported).
     """
     environ = os.environ if environ is None else environ
-    value = environ.get(LR_SPIKE_ENV)
-    if not value or not cpu_selected(environ):
+    requested = env_vars.FAULT_LR_SPIKE.read(environ)
+    if requested is None or not cpu_selected(environ):
         return []
-    step, factor = _REQUESTED["lr_spike"] = parse_lr_spike(value)
+    step, factor = _REQUESTED["lr_spike"] = requested
     hook = when_imported(FSDP_ENGINE_MODULE, _install)
     if hook.fired:
         return hook.result

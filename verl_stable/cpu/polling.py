@@ -13,14 +13,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import os
+import math
 from collections.abc import Iterator
 from typing import Any
 
+from verl_stable import env_vars
 from verl_stable.compat import contracts
 from verl_stable.compat.contracts import Contract, ContractError, ContractResult
 
-ENV_POLL_INTERVAL = "VERL_STABLE_POLL_INTERVAL_S"
+ENV_POLL_INTERVAL = env_vars.POLL_INTERVAL_S.name
 _INSTALLED = contextlib.ExitStack()
 
 
@@ -28,13 +29,14 @@ _INSTALLED = contextlib.ExitStack()
 def poll_interval(seconds: float) -> Iterator[None]:
     """Within the block, ``ReplayBuffer`` (and subclasses) default to ``poll_interval=seconds``.
 
-    An explicit ``poll_interval=`` argument still wins. Raises ``ValueError`` for a non-positive interval.
+    An explicit ``poll_interval=`` argument still wins. Raises ``ValueError`` for an interval that is not a finite
+    number > 0.
     """
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 
     seconds = float(seconds)
-    if not seconds > 0:
-        raise ValueError(f"poll interval must be > 0 seconds, got {seconds}")
+    if not (math.isfinite(seconds) and seconds > 0):  # an infinite interval would wait for a rollout forever
+        raise ValueError(f"poll interval must be a finite number of seconds > 0, got {seconds}")
     original = ReplayBuffer.__init__
 
     @functools.wraps(original)
@@ -57,16 +59,20 @@ def uninstall() -> None:
 
 
 def register() -> list[str]:
-    """Apply ``VERL_STABLE_POLL_INTERVAL_S`` to verl's replay buffer in this process (idempotent, opt-in)."""
-    raw = os.environ.get(ENV_POLL_INTERVAL, "").strip()
-    if not raw:
+    """Apply ``VERL_STABLE_POLL_INTERVAL_S`` to verl's replay buffer in this process (idempotent, opt-in).
+
+    Raises:
+        ValueError: a value :data:`verl_stable.env_vars.POLL_INTERVAL_S` refuses (not a finite number > 0).
+    """
+    seconds = env_vars.POLL_INTERVAL_S.read()
+    if seconds is None:
         return []
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 
     current = getattr(ReplayBuffer.__init__, "__verl_stable_poll__", None)
     if current is None:
-        _INSTALLED.enter_context(poll_interval(float(raw)))
-    return [f"replay_buffer_poll_interval:{float(raw)}s"]
+        _INSTALLED.enter_context(poll_interval(seconds))
+    return [f"replay_buffer_poll_interval:{seconds}s"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -9,11 +9,11 @@ early is finished, not failed), :func:`startup_failure` (retried once, :data:`ST
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
 
+from verl_stable import env_vars
 from verl_stable.monitor.run_summary import SUMMARY_FILE
 
 GUARD_STOPPED = "guard_stopped"
@@ -60,7 +60,7 @@ INFRA_ERRORS = re.compile(
     r"Address already in use|timed out during startup"
 )
 TIMEOUT_NOTE = "TimeoutExpired"
-FORCE_START_FAILURE_ENV = "VERL_STABLE_LAB_FORCE_START_FAILURE"
+FORCE_START_FAILURE_ENV = env_vars.LAB_FORCE_START_FAILURE.name
 """Test-only: comma-separated run-name prefixes whose first attempt is made to fail while Ray starts (see
 :data:`FORCED_START_FAILURE`); how the retry is exercised end to end without waiting for a real flake."""
 FORCED_START_FAILURE = "+ray_kwargs.ray_init._temp_dir=/dev/null/forced_start_failure"
@@ -142,4 +142,4 @@ def is_forced(name: str, prefixes: Sequence[str]) -> bool:
 
 def forced_start_failures() -> tuple[str, ...]:
     """The run-name prefixes of :data:`FORCE_START_FAILURE_ENV` (test-only)."""
-    return tuple(p.strip() for p in os.environ.get(FORCE_START_FAILURE_ENV, "").split(",") if p.strip())
+    return env_vars.LAB_FORCE_START_FAILURE.read()

@@ -129,14 +129,20 @@ class Preset:
         return [RunSpec(v, n, s) for s in self.seeds for v, n in self.runs]
 
     def select(self, only: Sequence[str] | None = None) -> list[RunSpec]:
-        """The runs whose name starts with one of the ``only`` prefixes (every run when ``only`` is empty or None).
+        """The runs whose name starts with one of the ``only`` prefixes (every run when ``only`` is None).
 
         Raises:
-            ValueError: A prefix that names no run of this preset; the message lists the preset's run names.
+            ValueError: An empty prefix (it would select every run, as no ``--only`` does), or a prefix that names no
+                run of this preset; the message lists the preset's run names.
         """
         specs = self.run_specs()
-        if not only:
+        if only is None:
             return specs
+        if not only or any(not p.strip() for p in only):
+            raise ValueError(
+                f"--only {list(only)} holds an empty prefix, which would select every run; expected a non-empty "
+                f"prefix of one of {[s.name for s in specs]} (or no --only for all of them)"
+            )
         unmatched = [p for p in only if not any(s.name.startswith(p) for s in specs)]
         if unmatched:
             raise ValueError(

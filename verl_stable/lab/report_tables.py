@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from verl_stable.lab.stats import ALPHA, POWER, Comparison, Interval
-from verl_stable.lab.summaries import LABELS, LOG_SCALE, CellSummary, cells_of
+from verl_stable.lab.summaries import LABELS, LOG_SCALE, CellSummary, cells_of, non_finite_text
 from verl_stable.lab.switches import SwitchResult, regime_name
 
 RULE = (
@@ -87,7 +87,8 @@ def _seed_list(seeds: Iterable[int]) -> str:
 
 def missing_text(r: SwitchResult) -> str:
     """``""``, or what a comparison lacks: ``missing: minirl_r3 seed 13 (no step logged); paired on seeds 11, 12``,
-    and runs that stopped short: ``incomplete: minirl seed 4 (3 of 8 steps)``."""
+    runs that stopped short: ``incomplete: minirl seed 4 (3 of 8 steps)``, and a judged metric no seed of a side has
+    a finite value of: ``step-1 KL(mu‖pi_old) k3 not compared (seed 0 out: minirl_r3 logged inf at step 1)``."""
     parts = []
     if r.missing:
         parts.append(
@@ -100,6 +101,7 @@ def missing_text(r: SwitchResult) -> str:
         )
     if r.missing and r.comparisons:
         parts.append(f"paired on {_seed_list(r.paired) if r.paired else 'no seed'}")
+    parts += [f"{LABELS[field]} not compared ({why})" for field, why in r.uncompared]
     return "; ".join(parts)
 
 
@@ -144,8 +146,13 @@ def answer_table(results: Sequence[SwitchResult], baselines: bool = False) -> st
             few = all(c.verdict == "too few seeds" for c, _ in r.comparisons)
             evidence = (
                 "fewer than 2 seeds: no test (rerun with --seeds 0 1 2)"
+                + "".join(f"; {c.left_out_text()}" for c, g in r.comparisons if g and c.left_out)
                 if few
-                else "; ".join(f"{_effect(c)}: {c.reason}" for c, g in r.comparisons if g)
+                else "; ".join(
+                    f"{_effect(c)}: {c.reason}" + (f" ({c.left_out_text()})" if c.left_out else "")
+                    for c, g in r.comparisons
+                    if g
+                )
             )
         if r.lacking:
             evidence += f" ({missing_text(r)})"
@@ -201,6 +208,12 @@ def observations(cells: Sequence[CellSummary]) -> list[str]:
             )
     fired = [f"{c.variant} N={c.staleness} ({', '.join(c.guard_fired)})" for c in cells if c.guard_fired]
     out.append("Guard fired in: " + ("; ".join(fired) if fired else "no run") + ".")
+    for c in cells:
+        for seed, field, steps in c.non_finite:
+            out.append(
+                f"{c.variant} N={c.staleness} seed {seed}: {LABELS[field]} left out: {non_finite_text(steps)} "
+                "(not a finite number: no mean, median or test can use it)."
+            )
     for c in cells:
         if c.steps_redone:
             seeds = ", ".join(f"seed {seed}: {k} step(s) redone" for seed, k in c.steps_redone)

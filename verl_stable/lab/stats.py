@@ -290,6 +290,8 @@ class Comparison:
         diffs: the per-seed differences ``a_s - b_s`` over the common seeds, of ``log10`` values when ``log``.
         paired: the paired test of ``diffs`` (None when fewer than :data:`MIN_SEEDS` seeds are common).
         mde: the minimum detectable effect of the test that decided (of ``log10`` values when ``log``).
+        left_out: (seed, why) for each seed a side ran but has no value for (a non-finite one, or none logged):
+            out of both tests, and said so in :meth:`test_text`.
     """
 
     metric: str
@@ -304,6 +306,7 @@ class Comparison:
     paired: Paired | None = None
     mde: float | None = None
     log: bool = False
+    left_out: tuple[tuple[int, str], ...] = ()
 
     @property
     def is_finding(self) -> bool:
@@ -325,9 +328,15 @@ class Comparison:
         """The minimum detectable effect in the metric's units (a factor on a log scale), or ``"n/a"``."""
         return _size(self.mde, self.log) if self.mde is not None else "n/a"
 
+    def left_out_text(self) -> str:
+        """``""``, or the seeds out of the tests and why: ``seed 2 out: minirl_r3 logged inf at step 1``."""
+        return "; ".join(f"seed {seed} out: {why}" for seed, why in self.left_out)
+
     def test_text(self) -> str:
-        """The printed test: paired (mean difference, interval, t-test, sign-flip, effect size, MDE), else Welch's."""
+        """The printed test: paired (mean difference, interval, t-test, sign-flip, effect size, MDE), else Welch's;
+        after the seed count, the seeds left out (:meth:`left_out_text`)."""
         welch_p = "n/a" if self.test is None else f"{self.test[1]:.2g}"
+        out = self.left_out_text()
         pt = self.paired
         if pt is None or pt.p is None:
             if self.test is None:
@@ -337,8 +346,8 @@ class Comparison:
                 welch_text = f"Welch t = {t:.2f}, p = {p:.2g}" if math.isfinite(t) else "Welch: no spread, means differ"
             scale = ", log10 values" if self.log else ""
             return (
-                f"unpaired (seeds not shared), n = {self.ia.n} / {self.ib.n} seeds{scale}: {welch_text}, "
-                f"minimum detectable effect {self.mde_text()}"
+                f"unpaired (seeds not shared), n = {self.ia.n} / {self.ib.n} seeds{scale}{f' ({out})' if out else ''}: "
+                f"{welch_text}, minimum detectable effect {self.mde_text()}"
             )
         if self.log:
             diff = f"ratio a/b {_ratio(pt.mean)} [{_ratio(pt.lo)}, {_ratio(pt.hi)}]"
@@ -347,8 +356,9 @@ class Comparison:
         t = f"{pt.t:.2f}" if math.isfinite(pt.t) else ("+inf" if pt.t > 0 else "-inf")
         effect = "n/a (no spread)" if pt.effect is None else f"{pt.effect:+.2f}"
         flips = f"{2**pt.n} flips" if pt.n <= EXACT_FLIPS else f"{SAMPLED_FLIPS} sampled flips"
+        notes = "; ".join(x for x in ("log10" if self.log else "", out) if x)
         return (
-            f"paired over n = {pt.n} seeds{' (log10)' if self.log else ''}: {diff}, t = {t}, p = {pt.p:.2g}; "
+            f"paired over n = {pt.n} seeds{f' ({notes})' if notes else ''}: {diff}, t = {t}, p = {pt.p:.2g}; "
             f"sign-flip p = {pt.p_flip:.2g} ({flips}); effect size {effect} sd; "
             f"minimum detectable effect {self.mde_text()}; unpaired Welch p = {welch_p}"
         )
@@ -370,12 +380,14 @@ def compare(
     b: str,
     b_by_seed: Mapping[int, float],
     log: bool = False,
+    left_out: Mapping[int, str] | None = None,
 ) -> Comparison:
     """Compare per-seed values of variant ``a`` with variant ``b`` by the rule of the module docstring.
 
     The paired test runs on the seeds both sides have when there are at least :data:`MIN_SEEDS` of them; otherwise
     Welch's test on every seed of each side (no claim about seeds then: nothing pairs them). With ``log`` every test
     is on ``log10`` of the values (positive quantities spanning decades), the minimum detectable effect a factor.
+    ``left_out`` (seed -> why) names the seeds a side ran but has no value for; the comparison carries and prints it.
 
     Raises:
         ValueError: Either side empty or holding a non-finite value (or a value <= 0 with ``log``).
@@ -387,7 +399,8 @@ def compare(
     common = sorted(set(a_by_seed) & set(b_by_seed))
     diffs = tuple(f(a_by_seed[s]) - f(b_by_seed[s]) for s in common)
     test = welch(la, lb)
-    base = dict(metric=metric, a=a, b=b, ia=ia, ib=ib, test=test, diffs=diffs, log=log)
+    out = tuple(sorted((left_out or {}).items()))
+    base = dict(metric=metric, a=a, b=b, ia=ia, ib=ib, test=test, diffs=diffs, log=log, left_out=out)
     if len(common) >= MIN_SEEDS:
         pt = paired(diffs)
         base.update(paired=pt, mde=pt.mde)

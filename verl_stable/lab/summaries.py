@@ -71,20 +71,42 @@ SUPERSEDED = "superseded"
 last row logged for a step is the run's trajectory, the earlier ones are kept for the record)."""
 
 
-def metric(row: Mapping, name: str) -> float | None:
-    """The value of summary metric ``name`` in a step row (first logged key of :data:`METRICS`), else None.
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float))
 
-    None too for a train-inference metric of a variant whose pi_old is the rollout's (:data:`PI_OLD_IS_ROLLOUT`).
+
+def _masked_sum(row: Mapping) -> float | None:
+    """MiniRL's masked fractions summed, when the row has them and no ``actor/pg_clipfrac`` (possibly non-finite)."""
+    if METRICS["clip_frac"][0] not in row and any(k in row for k in MINIRL_MASKED):
+        return sum(float(row.get(k) or 0.0) for k in MINIRL_MASKED)
+    return None
+
+
+def metric(row: Mapping, name: str) -> float | None:
+    """The value of summary metric ``name`` in a step row (first logged finite value of :data:`METRICS`), else None.
+
+    None too for a train-inference metric of a variant whose pi_old is the rollout's (:data:`PI_OLD_IS_ROLLOUT`). A
+    non-finite value is never returned; :func:`dropped` says which one a row logged instead.
     """
     if name in TRAIN_INFERENCE and row.get("variant") in PI_OLD_IS_ROLLOUT:
         return None
-    if name == "clip_frac" and METRICS["clip_frac"][0] not in row and any(k in row for k in MINIRL_MASKED):
-        return sum(float(row.get(k) or 0.0) for k in MINIRL_MASKED)
+    if name == "clip_frac" and (masked := _masked_sum(row)) is not None:
+        return masked if math.isfinite(masked) else None
     for key in METRICS[name]:
         value = row.get(key)
-        if value is not None and isinstance(value, (int, float)) and math.isfinite(value):
+        if _number(value) and math.isfinite(value):
             return float(value)
     return None
+
+
+def dropped(row: Mapping, name: str) -> float | None:
+    """The non-finite value (inf, -inf, nan) a step row logged for summary metric ``name`` where :func:`metric`
+    has none; None when nothing was left out (a finite value, or nothing logged)."""
+    if metric(row, name) is not None or (name in TRAIN_INFERENCE and row.get("variant") in PI_OLD_IS_ROLLOUT):
+        return None
+    if name == "clip_frac" and (masked := _masked_sum(row)) is not None:
+        return masked
+    return next((float(row[k]) for k in METRICS[name] if _number(row.get(k)) and not math.isfinite(row[k])), None)
 
 
 _JSON_NAMES = {str: "string", dict: "object", list: "list", bool: "bool", int: "int", float: "float"}
@@ -166,6 +188,39 @@ class RunSummary:
     routing_layer_max: float | None = None
     routing_token_any_layer: float | None = None
     steps_redone: int = 0  # rows a guard rollback superseded (summarize_run)
+    # (summary field, ((step, value), ...)): a field left None because a step it is computed from logged a non-finite
+    # value (summarize_run); the report names each with its seed
+    non_finite: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
+
+
+def _inputs(rows: Sequence[Mapping]) -> dict[str, tuple[str, Sequence[Mapping]]]:
+    """Each summary field -> (the metric it is computed from, the steps it reads), over a run's trajectory.
+
+    A ``final_`` value reads the last step that logged a finite value and every step after it (a later non-finite
+    one would have been the final value).
+    """
+
+    def final(name: str) -> Sequence[Mapping]:
+        last = max((i for i, r in enumerate(rows) if metric(r, name) is not None), default=-1)
+        return rows[max(last, 0) :]
+
+    first = [r for r in rows if r["step"] == 1]
+    return {
+        "late_reward": ("reward", rows[len(rows) // 2 :]),
+        "final_reward": ("reward", final("reward")),
+        "best_reward": ("reward", rows),
+        "final_entropy": ("entropy", final("entropy")),
+        "kl_k3": ("kl_k3", rows),
+        "kl_k3_median": ("kl_k3", rows),
+        "kl_k3_first": ("kl_k3", first),
+        "gap_median_first": ("gap_median", first),
+        "f2": ("f2", rows),
+        "routing_disagreement": ("routing_disagreement", rows),
+        "routing_layer_max": ("routing_layer_max", rows),
+        "routing_token_any_layer": ("routing_token_any_layer", rows),
+        "router_disagreement": ("router_disagreement", rows),
+        "clip_frac": ("clip_frac", rows),
+    }
 
 
 def summarize_run(rows: Sequence[Mapping]) -> RunSummary:
@@ -173,7 +228,9 @@ def summarize_run(rows: Sequence[Mapping]) -> RunSummary:
 
     A guard that rolled the run back logged some steps twice: the rules that fired are read from every row (the
     firing step itself is redone), everything else from the run's trajectory, the rows not :data:`SUPERSEDED`;
-    ``steps_redone`` counts the rows superseded.
+    ``steps_redone`` counts the rows superseded. A field one of whose steps logged a non-finite value (a blow-up: a
+    KL of ``1e999`` reads as inf) is None, and ``non_finite`` names the field, the steps and the values: a mean or a
+    median without that step would be a number the run did not produce.
     """
     fired = sorted({k[len(GUARD_PREFIX) :] for r in rows for k, v in r.items() if k.startswith(GUARD_PREFIX) and v})
     fired = [f for f in fired if f not in GUARD_COUNTERS]
@@ -181,11 +238,7 @@ def summarize_run(rows: Sequence[Mapping]) -> RunSummary:
     rows = sorted((r for r in rows if not r.get(SUPERSEDED)), key=lambda r: r["step"])
     rewards = [metric(r, "reward") for r in rows]
     present = [x for x in rewards if x is not None]
-    return RunSummary(
-        variant=rows[0]["variant"],
-        staleness=int(rows[0]["staleness"]),
-        seed=int(rows[0]["seed"]),
-        steps=len(rows),
+    values = dict(
         final_reward=present[-1] if present else None,
         best_reward=max(present) if present else None,
         final_entropy=next((x for x in (metric(r, "entropy") for r in reversed(rows)) if x is not None), None),
@@ -194,14 +247,28 @@ def summarize_run(rows: Sequence[Mapping]) -> RunSummary:
         routing_disagreement=_mean(metric(r, "routing_disagreement") for r in rows),
         router_disagreement=_mean(metric(r, "router_disagreement") for r in rows),
         clip_frac=_mean(metric(r, "clip_frac") for r in rows),
-        guard_fired=tuple(fired),
         late_reward=_mean(metric(r, "reward") for r in rows[len(rows) // 2 :]),
         kl_k3_median=_median(metric(r, "kl_k3") for r in rows),
         kl_k3_first=next((metric(r, "kl_k3") for r in rows if r["step"] == 1), None),
         gap_median_first=next((metric(r, "gap_median") for r in rows if r["step"] == 1), None),
         routing_layer_max=_mean(metric(r, "routing_layer_max") for r in rows),
         routing_token_any_layer=_mean(metric(r, "routing_token_any_layer") for r in rows),
+    )
+    non_finite = []
+    for field, (name, read) in _inputs(rows).items():
+        lost = tuple((int(r["step"]), v) for r in read if (v := dropped(r, name)) is not None)
+        if lost:
+            values[field] = None
+            non_finite.append((field, lost))
+    return RunSummary(
+        variant=rows[0]["variant"],
+        staleness=int(rows[0]["staleness"]),
+        seed=int(rows[0]["seed"]),
+        steps=len(rows),
+        guard_fired=tuple(fired),
         steps_redone=redone,
+        non_finite=tuple(sorted(non_finite, key=lambda item: SUMMARY_FIELDS.index(item[0]))),
+        **values,
     )
 
 
@@ -267,10 +334,23 @@ class CellSummary:
     guard_fired: tuple[str, ...]
     run_seeds: tuple[int, ...] = ()  # the seeds whose runs logged at least one step in this cell
     steps_redone: tuple[tuple[int, int], ...] = ()  # (seed, steps a guard rollback redid) of the runs rolled back
+    # (seed, field, ((step, value), ...)): a run's field left out for a non-finite value (RunSummary.non_finite)
+    non_finite: tuple[tuple[int, str, tuple[tuple[int, float], ...]], ...] = ()
 
     @property
     def seeds(self) -> int:
         return max((len(v) for v in self.per_seed.values()), default=0)
+
+    def left_out(self, field: str) -> dict[int, str]:
+        """The seeds of this cell's runs that have no value of ``field``, each with why: the non-finite values its
+        steps logged (``"logged inf at step 1"``) or ``"logged no value"``."""
+        lost = {seed: steps for seed, f, steps in self.non_finite if f == field}
+        values = self.per_seed.get(field) or {}
+        return {
+            seed: non_finite_text(lost[seed]) if seed in lost else "logged no value"
+            for seed in self.run_seeds
+            if seed not in values
+        }
 
     def interval(self, field: str) -> Interval | None:
         """Mean and 95 % interval of ``field`` over the seeds (None when no run logged it); log-scale for KL."""
@@ -298,8 +378,14 @@ def summarize(rows: Sequence[Mapping]) -> list[CellSummary]:
         )
         seeds = tuple(sorted(r.seed for r in runs))
         redone = tuple(sorted((r.seed, r.steps_redone) for r in runs if r.steps_redone))
-        cells.append(CellSummary(variant, n, min(r.steps for r in runs), per_seed, fired, seeds, redone))
+        lost = tuple((r.seed, f, steps) for r in sorted(runs, key=lambda r: r.seed) for f, steps in r.non_finite)
+        cells.append(CellSummary(variant, n, min(r.steps for r in runs), per_seed, fired, seeds, redone, lost))
     return cells
+
+
+def non_finite_text(steps: Sequence[tuple[int, float]]) -> str:
+    """``"logged inf at step 1"``, ``"logged nan at step 2, inf at step 3"``."""
+    return "logged " + ", ".join(f"{value} at step {step}" for step, value in steps)
 
 
 def cells_of(cells: Sequence[CellSummary], variant: str, n: int | None = None) -> list[CellSummary]:

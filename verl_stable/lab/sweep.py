@@ -50,6 +50,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from verl_stable import env_vars
 from verl_stable.argtypes import resolve_path
 from verl_stable.lab import variants as V
 from verl_stable.lab.attempts import (
@@ -66,6 +67,7 @@ from verl_stable.lab.coldstart import ColdStartResult, cold_start
 from verl_stable.lab.presets import MAX_SEED, PRESETS, Preset, RunSpec
 from verl_stable.lab.progress import ProgressBar
 from verl_stable.lab.results import RunOutcome, coldstart_line, load_rows, merge_rows, tag_rows
+from verl_stable.recipes.strict_yaml import read_recipe_file
 from verl_stable.toy.assets import Assets, ensure_assets
 from verl_stable.toy.trainer_process import set_aside
 
@@ -226,7 +228,9 @@ def check_sweep(
 
     Raises:
         ValueError: ``jobs`` < 1, a ``timeout_s`` that is not a positive number, an ``only`` prefix naming no run of
-            the preset, an ``out`` that cannot be resolved (a symlink loop) or that
+            the preset, a malformed recipe file (:func:`verl_stable.recipes.strict_yaml.read_recipe_file`), a
+            ``VERL_STABLE_*`` variable :func:`verl_stable.env_vars.check_all` refuses (or a forced
+            start-up failure naming no run of the sweep), an ``out`` that cannot be resolved (a symlink loop) or that
             :func:`verl_stable.recipes.check_output_dir` refuses, an ``out/metrics.jsonl`` that cannot be read (the
             sweep merges into it at the end; a directory there included), or a ``report.md`` / ``plots`` in the way of
             the report (:func:`verl_stable.lab.report.output_problem`).
@@ -240,10 +244,19 @@ def check_sweep(
     if timeout_s is not None and not (0 < timeout_s < float("inf")):
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
     specs = preset.select(only)
+    # the runs' processes read them (the launcher moves a run's earlier files aside first): refused before any work
+    env_vars.check()
+    unmatched = [p for p in forced_start_failures() if not any(s.name.startswith(p) for s in specs)]
+    if unmatched:
+        raise ValueError(
+            f"{env_vars.LAB_FORCE_START_FAILURE.name} names {unmatched}, a prefix of no run of this sweep; expected "
+            f"{env_vars.LAB_FORCE_START_FAILURE.accepted}, of {[s.name for s in specs]}"
+        )
     # every run's model and data paths lie below it
     out = recipes.check_output_dir(resolve_path(out, "output directory"), "output directory")
     for variant in dict.fromkeys(s.variant for s in specs):
-        recipes.recipe_path("fsdp", V.get_variant(variant).recipe)
+        # each run composes on it: a malformed file is refused here, naming it, not once per run after the assets
+        read_recipe_file(recipes.recipe_path("fsdp", V.get_variant(variant).recipe))
     load_rows(out)
     problem = output_problem(out)
     if problem is not None:

@@ -3,7 +3,8 @@ and MiniRL + R3 against verl's own answers to the same problem (token TIS, DPPO,
 
 For each switch and N where both variants ran, every judged metric is compared by :func:`verl_stable.lab.stats.compare`
 (the paired test over the seeds both sides have; Welch's when they share none), and the seeds a side lacks or whose
-run stopped short are named (from the sweep's records, :mod:`verl_stable.lab.outcomes`).
+run stopped short are named (from the sweep's records, :mod:`verl_stable.lab.outcomes`), as are the seeds a
+comparison leaves out because their value is non-finite or was not logged.
 """
 
 from __future__ import annotations
@@ -121,11 +122,13 @@ class SwitchResult:
     missing: tuple[tuple[str, tuple[int, ...]], ...] = ()
     paired: tuple[int, ...] = ()  # the seeds both sides have
     partial: tuple[tuple[str, int, int, int | None], ...] = ()  # (variant, seed, steps logged, steps expected)
+    # (metric, why): a judged metric not compared because every value of a side was non-finite
+    uncompared: tuple[tuple[str, str], ...] = ()
 
     @property
     def lacking(self) -> bool:
-        """Whether a seed is missing or a run's steps stop short on either side."""
-        return bool(self.missing or self.partial)
+        """Whether a seed is missing, a run's steps stop short or a metric went uncompared on either side."""
+        return bool(self.missing or self.partial or self.uncompared)
 
     def helps(self) -> list[Comparison]:
         return [c for c, good in self.comparisons if good and c.verdict == good]
@@ -170,13 +173,26 @@ def switch_results(cells: Sequence[CellSummary], runs: Sequence[Mapping] = ()) -
             if not on or not off:  # one side's runs all failed: said, not skipped
                 out.append(SwitchResult(sw, n, (), missing, (), partial))
                 continue
-            comps = []
+            comps, uncompared = [], []
             for field, good in sw.judged:
                 a, b = on[0].per_seed.get(field) or {}, off[0].per_seed.get(field) or {}
+                out_of_it = _left_out(on[0], off[0], field)
                 if a and b:
                     log = log_scale(field, a.values(), b.values())
-                    comps.append((stats.compare(field, sw.a, a, sw.b, b, log=log), good))
-            if comps:
+                    comps.append((stats.compare(field, sw.a, a, sw.b, b, log=log, left_out=out_of_it), good))
+                elif any(f == field for c in (on[0], off[0]) for _, f, _ in c.non_finite):
+                    # not a metric the variant does not log: its values were there and none was finite
+                    uncompared.append((field, "; ".join(f"seed {s} out: {why}" for s, why in out_of_it.items())))
+            if comps or uncompared:
                 paired = tuple(sorted(has[sw.a] & has[sw.b]))
-                out.append(SwitchResult(sw, n, tuple(comps), missing, paired, partial))
+                out.append(SwitchResult(sw, n, tuple(comps), missing, paired, partial, tuple(uncompared)))
     return out
+
+
+def _left_out(on: CellSummary, off: CellSummary, field: str) -> dict[int, str]:
+    """Seed -> why, for each seed a side ran but has no ``field`` value for (naming the side), in seed order."""
+    why: dict[int, list[str]] = {}
+    for cell in (on, off):
+        for seed, reason in cell.left_out(field).items():
+            why.setdefault(seed, []).append(f"{cell.variant} {reason}")
+    return {seed: "; ".join(why[seed]) for seed in sorted(why)}

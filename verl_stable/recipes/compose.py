@@ -21,9 +21,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from verl_stable import env_vars
 from verl_stable.recipes.regimes import BACKENDS, REGIMES, check_backend_regime
+from verl_stable.recipes.strict_yaml import read_recipe_file
 
-RECIPES_ENV = "VERL_STABLE_RECIPES"
+RECIPES_ENV = env_vars.RECIPES.name
 
 
 # ------------------------------------------------------------------------------------------------ locating recipes
@@ -35,11 +37,12 @@ def recipes_dir() -> Path:
         FileNotFoundError: ``$VERL_STABLE_RECIPES`` is set but holds no recipes, or none of the others exists (e.g. a
             wheel install without the recipes); the message says what to set.
     """
-    env = os.environ.get(RECIPES_ENV)
-    if env:
-        if not (Path(env) / "fsdp").is_dir():
-            raise FileNotFoundError(f"{RECIPES_ENV}={env} is not a verl-stable recipes directory (no fsdp/ in it)")
-        return Path(env)
+    try:
+        chosen = env_vars.RECIPES.read()
+    except env_vars.EnvVarError as exc:
+        raise FileNotFoundError(str(exc)) from None
+    if chosen is not None:
+        return chosen
     # this file is <checkout>/verl_stable/recipes/compose.py
     candidates = [Path(__file__).resolve().parents[2] / "recipes", Path(sys.prefix) / "share/verl-stable/recipes"]
     for path in candidates:
@@ -103,11 +106,14 @@ def compose_file(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Any:
     hydra hands them to ``main_ppo``); resolve with ``OmegaConf.resolve`` on a copy if needed.
 
     Raises:
+        RecipeFileError: The file is malformed (:func:`~verl_stable.recipes.strict_yaml.read_recipe_file`: not
+            UTF-8, a duplicate key, an alias bomb ...); checked before hydra reads it.
         hydra.errors.ConfigCompositionException / MissingConfigException: The recipe does not compose.
     """
     from hydra import compose, initialize_config_dir
 
     path = Path(path).resolve()
+    read_recipe_file(path)  # hydra's own read would expand an alias bomb and report the rest without the file
     with initialize_config_dir(config_dir=str(path.parent), version_base=None):
         return compose(config_name=path.stem, overrides=list(overrides))
 
@@ -173,11 +179,10 @@ def recipe_keys(path: str | os.PathLike) -> list[str]:
     """Dotted leaf keys a recipe file sets itself (its ``hydra`` and ``defaults`` entries excluded).
 
     Raises:
+        RecipeFileError: The file is malformed (:func:`~verl_stable.recipes.strict_yaml.read_recipe_file`).
         ValueError: The file is not a mapping.
     """
-    from omegaconf import OmegaConf
-
-    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    raw = read_recipe_file(path)
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: a recipe must be a mapping")
     body = {k: v for k, v in raw.items() if k not in ("hydra", "defaults")}
@@ -188,11 +193,13 @@ def recipe_base(path: str | os.PathLike) -> str:
     """The verl trainer config a recipe file lists in its ``defaults``.
 
     Raises:
-        ValueError: The recipe lists neither ``ppo_trainer`` nor ``ppo_megatron_trainer``.
+        RecipeFileError: The file is malformed (:func:`~verl_stable.recipes.strict_yaml.read_recipe_file`).
+        ValueError: The file is not a mapping, or lists neither ``ppo_trainer`` nor ``ppo_megatron_trainer``.
     """
-    from omegaconf import OmegaConf
-
-    defaults = OmegaConf.to_container(OmegaConf.load(path)).get("defaults") or []
+    raw = read_recipe_file(path)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: a recipe must be a mapping")
+    defaults = raw.get("defaults") or []
     bases = [d for d in defaults if isinstance(d, str) and d in BACKENDS.values()]
     if len(bases) != 1:
         raise ValueError(f"{path}: defaults must list exactly one of {sorted(BACKENDS.values())}, got {defaults}")

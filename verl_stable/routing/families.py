@@ -56,17 +56,30 @@ def every_layer(config: Any) -> tuple[int, ...]:
 
 
 def qwen_sparse_layers(config: Any) -> tuple[int, ...]:
-    """Qwen2/3-MoE: MoE unless in ``mlp_only_layers``, every ``decoder_sparse_step``-th layer, if experts > 0."""
+    """Qwen2/3-MoE: MoE unless in ``mlp_only_layers``, every ``decoder_sparse_step``-th layer, if experts > 0.
+
+    The rule of transformers' ``Qwen2MoeDecoderLayer`` / ``Qwen3MoeDecoderLayer``, in its order: a layer in
+    ``mlp_only_layers`` or a config without experts is dense before the step is read.
+
+    Raises:
+        UnsupportedModelError: ``decoder_sparse_step`` is 0 while a layer reaches the step rule: transformers
+            computes ``(layer + 1) % decoder_sparse_step`` there and cannot build the model (ZeroDivisionError).
+    """
     only = getattr(config, "mlp_only_layers", None) or ()
     if isinstance(only, (str, bytes)) or not isinstance(only, (list, tuple, set, frozenset)):
         raise UnsupportedModelError(f"config mlp_only_layers must be a list of layer indices, got {only!r:.80}")
     only_dense = {config_int_value(i, "mlp_only_layers entry") for i in only}
-    step = config_int(config, "decoder_sparse_step", 1) or 1
+    step = config_int(config, "decoder_sparse_step", 1)
     if config_int(config, "num_experts", 0) <= 0:
         return ()
-    return tuple(
-        i for i in range(config_int(config, "num_hidden_layers")) if i not in only_dense and (i + 1) % step == 0
-    )
+    ruled = [i for i in range(config_int(config, "num_hidden_layers")) if i not in only_dense]
+    if ruled and step == 0:
+        raise UnsupportedModelError(
+            f"config decoder_sparse_step is 0: transformers builds layer {ruled[0]} with (layer + 1) % "
+            "decoder_sparse_step and cannot build this model (ZeroDivisionError); expected an integer >= 1 (1: every "
+            "layer is MoE)"
+        )
+    return tuple(i for i in ruled if (i + 1) % step == 0)
 
 
 def after_first_k_dense(config: Any) -> tuple[int, ...]:

@@ -22,7 +22,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from verl_stable import recipes
+from verl_stable import env_vars, recipes
 from verl_stable.argtypes import positive_int, positive_seconds, resolve_path
 from verl_stable.backends.hf.options import PRECISIONS
 from verl_stable.backends.vllm_cpu import rollout as vllm_rollout
@@ -31,6 +31,7 @@ from verl_stable.cpu.megatron import options as megatron_options
 from verl_stable.toy import tasks
 from verl_stable.toy.assets import Assets, AssetSpec, asset_paths, ensure_assets
 from verl_stable.toy.trainer_process import (
+    DEFAULT_POLL_INTERVAL_S,
     RAY_TMPDIR_NAME,
     cpu_env,
     job_env_overrides,
@@ -338,7 +339,8 @@ def run_recipe(
     Raises:
         ValueError: An unknown regime or task, ``steps`` below 1, a ``workdir`` that cannot be resolved (a symlink
             loop) or that :func:`verl_stable.recipes.check_output_dir` refuses, or overrides that
-            :func:`verl_stable.recipes.preflight` refuses; raised before anything is built or started.
+            :func:`verl_stable.recipes.preflight` refuses, a malformed recipe file, or a ``VERL_STABLE_*`` variable
+            :func:`verl_stable.env_vars.check_all` refuses; raised before anything is built or started.
     """
     recipes.check_backend_regime(backend, regime)
     if backend not in CPU_BACKENDS:
@@ -351,6 +353,7 @@ def run_recipe(
     path = recipes.recipe_path(backend, regime)
     ov = regime_overrides(regime, asset_paths(workdir / "assets"), steps=steps, backend=backend, engine=engine)
     ov += [f"trainer.default_local_dir={workdir / 'checkpoints'}", *overrides]
+    env_vars.check()  # read by the run's processes: refused before any asset is built
     recipes.preflight(ov, recipe=path, backend=backend)
     ensure_assets(workdir / "assets", asset_spec(engine, task, backend))
     args = [f"--config-path={path.parent}", f"--config-name={path.stem}", *ov]
@@ -366,7 +369,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Raises:
         SystemExit: code 2 for a bad argument or overrides that :func:`verl_stable.recipes.preflight` refuses (a
-            malformed or unknown key, a config verl would reject), before any asset is built or verl started.
+            malformed or unknown key, a config verl would reject) or a ``VERL_STABLE_*`` variable
+            :func:`verl_stable.env_vars.check_all` refuses, before any asset is built or verl started.
     """
     parser = argparse.ArgumentParser(prog="verl-stable run", description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="./verl_stable_cpu_run", help="assets, checkpoints, logs, metrics")
@@ -388,7 +392,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="actor attention: sdpa (padded) or varlen (packed, pure-torch; allows Ulysses sp > 1)",
     )
     parser.add_argument(
-        "--poll-interval", type=positive_seconds, default=0.1, help="replay-buffer poll seconds (verl: 2.0)"
+        "--poll-interval",
+        type=positive_seconds,
+        help=f"replay-buffer poll seconds (default: ${env_vars.POLL_INTERVAL_S.name} when set, else "
+        f"{DEFAULT_POLL_INTERVAL_S}; verl: 2.0)",
     )
     parser.add_argument("--print-overrides", action="store_true", help="print the overrides and exit")
     parser.add_argument("overrides", nargs="*", help="extra hydra overrides key=value (appended, they win)")
@@ -414,6 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ov = for_actor(ov, args.actor)
     ov += [f"trainer.default_local_dir={workdir / 'checkpoints'}", *args.overrides]
     try:
+        env_vars.check()  # read by the run's processes: refused before any asset is built
         recipes.preflight(ov, backend=args.actor)
     except ValueError as exc:
         parser.error(str(exc))

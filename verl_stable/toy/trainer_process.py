@@ -27,9 +27,14 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from verl_stable import env_vars
 from verl_stable.compat.skip_imports import ENV_SKIP_IMPORTS
 from verl_stable.cpu import prefork
 from verl_stable.cpu.polling import ENV_POLL_INTERVAL
+
+DEFAULT_POLL_INTERVAL_S = 0.1
+"""The replay buffer's poll interval in a CPU run, unless given or set in ``VERL_STABLE_POLL_INTERVAL_S`` (verl: 2 s,
+most of a tiny CPU step)."""
 
 # Ray's head serves two Prometheus endpoints on fixed ports (the autoscaler monitor's 44217 and the dashboard's 44227),
 # whatever include_dashboard says: a second Ray instance on the host (the other run of a lab sweep) fails to bind them
@@ -40,7 +45,9 @@ RAY_FIXED_PORT_ENV = ("AUTOSCALER_METRIC_PORT", "DASHBOARD_METRIC_PORT")
 
 
 def cpu_env(
-    metrics_file: str | os.PathLike | None = None, poll_interval_s: float | None = 0.1, base: dict | None = None
+    metrics_file: str | os.PathLike | None = None,
+    poll_interval_s: float | None = DEFAULT_POLL_INTERVAL_S,
+    base: dict | None = None,
 ) -> dict[str, str]:
     """Environment for a CPU ``main_ppo`` subprocess: platform choice, poll interval, metrics file, and Ray's fixed
     metrics ports made free (:data:`RAY_FIXED_PORT_ENV`; a value the caller set wins)."""
@@ -256,7 +263,7 @@ def run_main_ppo(
     workdir: str | os.PathLike,
     *,
     timeout_s: float | None = None,
-    poll_interval_s: float | None = 0.1,
+    poll_interval_s: float | None = None,
     log_name: str = "main_ppo.log",
     ray_start_retries: int = 2,
 ) -> subprocess.CompletedProcess:
@@ -271,7 +278,16 @@ def run_main_ppo(
     ``"wb"``, so they would be emptied. A run gets ``VERL_STABLE_SKIP_IMPORTS`` for the packages it does not need
     (:func:`skip_groups`: megatron-core when nothing mentions Megatron, vLLM for an ``hf`` rollout), unless the
     caller's environment sets the variable, even empty: verl would otherwise import both in each of its processes.
+    The replay buffer polls every ``poll_interval_s`` seconds; None: the environment's
+    ``VERL_STABLE_POLL_INTERVAL_S`` when set, else :data:`DEFAULT_POLL_INTERVAL_S`.
+
+    Raises:
+        ValueError: a ``VERL_STABLE_*`` variable :func:`verl_stable.env_vars.check_all` refuses; before the earlier
+            run's files are moved or anything starts.
     """
+    env_vars.check()  # the run's processes read them: refused before anything is moved aside or started
+    if poll_interval_s is None:
+        poll_interval_s = env_vars.POLL_INTERVAL_S.read() or DEFAULT_POLL_INTERVAL_S
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     aside = set_aside(workdir, (log_name, METRICS_NAME))
@@ -316,7 +332,7 @@ def _prefork_server(
     client = prefork.client_command()
     given = {item.split("=", 1)[0].lstrip("+~") for item in overrides}
     extra = [] if _PY_EXECUTABLE_KEY in given else [f"++{_PY_EXECUTABLE_KEY}={hydra_quote(shlex.join(client))}"]
-    if env.get(prefork.ENV_SOCKET):
+    if env.get(prefork.ENV_SOCKET):  # run_main_ppo checked it (env_vars.PREFORK_SOCKET) before anything started
         yield client, extra
         return
     with prefork.ServerProcess(ray_tmpdir(workdir) / "prefork.sock", env, workdir / PREFORK_LOG, workdir) as server:
