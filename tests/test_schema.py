@@ -255,11 +255,13 @@ def test_every_key_is_refused_by_name_or_read_exactly(model, data):
 
 
 def _preflight_cpu_run(*extra):
-    """The preflight of ``verl-stable run`` (verl's main_ppo on the CPU runtime) with ``extra`` overrides."""
+    """The preflight of ``verl-stable run`` (verl's main_ppo on the CPU runtime, its monitored trainer) with ``extra``
+    overrides."""
     from verl_stable.recipes import preflight
     from verl_stable.toy import launch
 
-    return preflight([*launch.cpu_overrides(launch.asset_paths("/tmp/unused")), *extra])
+    monitored = "trainer.v1.trainer_mode=stable_sync"
+    return preflight([*launch.cpu_overrides(launch.asset_paths("/tmp/unused")), monitored, *extra])
 
 
 def _loss_config(sections):

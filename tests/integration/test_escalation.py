@@ -56,7 +56,7 @@ def test_preflight_refuses_an_escalation_verl_would_refuse():
     from verl_stable.toy import launch
 
     rule = "+stable.guard.rules.kl_high"
-    base = launch.cpu_overrides(launch.asset_paths("/tmp/unused"))
+    base = [*launch.cpu_overrides(launch.asset_paths("/tmp/unused")), "trainer.v1.trainer_mode=stable_sync"]
     base += [f"{rule}.condition=above", f"{rule}.metric=stable/train_inf/kl_k3", f"{rule}.threshold=0.01"]
     ok = [*base, f"{rule}.action=escalate", f"+{rule[1:]}.escalate_to.rollout_rs=token_k3"]
     ok += [f"+{rule[1:]}.escalate_to.rollout_rs_threshold=0.01"]

@@ -159,6 +159,7 @@ def test_a_rollback_redoes_its_steps_on_the_checkpoints_batches_or_on_new_ones(t
         f"{rule}.threshold=4.0",
         f"{rule}.action=rollback",
         f"{rule}.rollback_data={rollback_data}",
+        "trainer.save_freq=1",  # a rollback needs checkpoints to go back to (refused without)
     )
     trainer.checkpoint_manager = _CheckpointManager()
     trainer.train_dataloader = StatefulDataLoader(list(range(20)), batch_size=2)

@@ -5,6 +5,7 @@ Slow (two short runs of a few minutes on two cores): marked ``e2e``.
 """
 
 import pytest
+from testkit.logged import catalogue_mismatches, compose_run_config
 
 from verl_stable.toy import launch
 from verl_stable.toy.assets import AssetSpec, ensure_assets
@@ -23,12 +24,12 @@ def _run(assets, workdir, *extra, steps, **kwargs):
     proc = launch.run_main_ppo([*overrides, *extra], workdir, timeout_s=1500)
     log = (workdir / "main_ppo.log").read_text()
     rows = launch.read_metrics(workdir / "metrics.jsonl") if (workdir / "metrics.jsonl").exists() else []
-    return proc.returncode, log, rows
+    return proc.returncode, log, rows, [*overrides, *extra]
 
 
 def test_healthy_run_logs_stable_metrics_and_is_not_stopped(assets, tmp_path):
     experts = AssetSpec().num_experts
-    rc, log, rows = _run(
+    rc, log, rows, overrides = _run(
         assets,
         tmp_path / "healthy",
         f"+stable.monitor.num_experts={experts}",
@@ -50,6 +51,8 @@ def test_healthy_run_logs_stable_metrics_and_is_not_stopped(assets, tmp_path):
         assert 1.0 <= row["stable/routing/load/max_over_mean"] <= experts
         assert {f"stable/routing/load/layer_{i}/cv" for i in range(4)} <= set(row)
     assert "stable/entropy/slope" in rows[-1]
+    # replay off, routing exported: what the guard's preflight assumes this configuration logs is what it logged
+    assert catalogue_mismatches(compose_run_config(overrides), rows) == []
     assert "GuardTripped" not in log
     # replay off (the default): the plugin's FSDP engine still measures the actor's routing against the exported one,
     # and the bf16 rollout routed some tokens to other experts than the fp32 actor does -- over the run: a step's ~800

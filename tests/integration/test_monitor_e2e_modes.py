@@ -7,6 +7,7 @@ different workers. Slow (a short run of a few minutes on two cores): marked ``e2
 """
 
 import pytest
+from testkit.logged import catalogue_mismatches, compose_run_config
 
 from verl_stable.toy import launch
 from verl_stable.toy.assets import AssetSpec, ensure_assets
@@ -36,6 +37,8 @@ def test_colocate_async_mode_logs_stable_metrics(assets, tmp_path):
     assert proc.returncode == 0, log[-4000:]
     rows = launch.read_metrics(workdir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
+    # what the guard's preflight assumes this configuration logs is what it logged
+    assert catalogue_mismatches(compose_run_config(overrides), rows) == []
     for row in rows:
         for key in ("stable/train_inf/kl_k3", "stable/entropy/mean", "stable/guard/non_finite"):
             assert key in row, sorted(k for k in row if k.startswith("stable/"))

@@ -58,12 +58,12 @@ def run(tmp_path_factory):
     log = (tmp / "run" / "main_ppo.log").read_text()
     assert proc.returncode == 0, log[-4000:]  # the rule warns: the run goes on
     layout = layout_from_config(AutoConfig.from_pretrained(assets.model_dir))
-    return launch.read_metrics(tmp / "run" / "metrics.jsonl"), log, len(layout.moe_layers)
+    return launch.read_metrics(tmp / "run" / "metrics.jsonl"), log, len(layout.moe_layers), overrides
 
 
 @pytest.mark.e2e
 def test_the_dropped_routing_is_counted_at_the_boundary(run):
-    rows, _, _ = run
+    rows, _, _, _ = run
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         assert row[f"{TRANSPORT_METRIC_PREFIX}samples"] == SAMPLES_PER_STEP
@@ -75,7 +75,7 @@ def test_the_dropped_routing_is_counted_at_the_boundary(run):
 
 @pytest.mark.e2e
 def test_response_coverage_is_the_share_of_samples_whose_routing_arrived(run):
-    rows, _, moe_layers = run
+    rows, _, moe_layers, _ = run
     for row in rows:
         skipped = row[f"{TRANSPORT_METRIC_PREFIX}skipped_samples"]
         expected = 1.0 - skipped / SAMPLES_PER_STEP  # 11 / 16 with 5 skipped
@@ -94,7 +94,7 @@ def test_response_coverage_is_the_share_of_samples_whose_routing_arrived(run):
 
 @pytest.mark.e2e
 def test_the_guard_rule_fires_and_warns(run):
-    rows, log, _ = run
+    rows, log, _, _ = run
     for row in rows:
         assert row["stable/guard/replay_coverage"] == 1.0
     assert "verl-stable guard [replay_coverage -> warn]" in log
@@ -102,7 +102,7 @@ def test_the_guard_rule_fires_and_warns(run):
 
 @pytest.mark.e2e
 def test_the_compact_form_reaches_the_actors_and_is_replayed(run):
-    rows, _, _ = run
+    rows, _, _, _ = run
     for row in rows:  # the stable trainer logs verl's actor/stable/* as stable/*
         assert row[f"{fe.METRIC_PREFIX}disagreement"] == 0.0  # every replayed row used the rollout's experts
         assert row[f"{fe.METRIC_PREFIX}replayed_rows"] > 0
@@ -111,3 +111,12 @@ def test_the_compact_form_reaches_the_actors_and_is_replayed(run):
         assert transport["samples"] == SAMPLES_PER_STEP and transport["bytes"] < transport["verl_bytes"]
         assert transport["prompt_rows_deduplicated"] > 0  # prompt rows put once per group, not once per sample
         assert 0 < transport["prompt_groups_shared"] <= SAMPLES_PER_STEP // 4  # at most one side entry per prompt
+
+
+@pytest.mark.e2e
+def test_the_logged_metrics_are_what_the_guards_preflight_assumes_this_configuration_logs(run):
+    """R3 on FSDP with the compact transport: every stable/ name logged is predicted, every predicted family logged."""
+    from testkit.logged import catalogue_mismatches, compose_run_config
+
+    rows, _, _, overrides = run
+    assert catalogue_mismatches(compose_run_config(overrides), rows) == []

@@ -27,7 +27,8 @@ from typing import Any
 from verl_stable.integration import escalation
 from verl_stable.monitor.checkpoints import DEFAULT_LOAD_CONTENTS, resumable_checkpoint_steps
 from verl_stable.monitor.guard import Rule, Verdict, last_good_checkpoint_step
-from verl_stable.monitor.run_summary import SUMMARY_FILE, action_record, check_records, summary, summary_text
+from verl_stable.monitor.guard_state import read_guard_state
+from verl_stable.monitor.run_summary import SUMMARY_FILE, action_record, summary, summary_text
 
 logger = logging.getLogger("verl_stable")
 
@@ -39,16 +40,16 @@ class GuardActionsMixin:
     """Carries out the guard's verdicts in a verl V1 ``PPOTrainer`` (see the module docstring)."""
 
     def _stable_check_actions(self) -> None:
-        """Refuse, before any worker starts, actions this trainer could not carry out."""
+        """Refuse, before any worker starts, settings this run could not act on: the cross-field rules preflight
+        and verl's ``validate_config`` in the driver also apply (:mod:`verl_stable.recipes.cross_checks`: rules on
+        metrics never logged, actions this trainer cannot carry out, ...), and every escalation verl would refuse."""
+        from verl_stable.recipes.cross_checks import cross_field_problems
+
+        problems = cross_field_problems(self.config)
+        if problems:
+            raise ValueError("; ".join(problems))
         guard = self._stable_monitor.guard
-        rules = guard.rules if guard is not None else ()
-        rolling = [r.name for r in rules if r.action == "rollback"]
-        if rolling and self._stable_base_mode != "sync":
-            raise ValueError(
-                f"stable.guard rules {rolling} roll back, which trainer_mode stable_{self._stable_base_mode} cannot: "
-                "its rollout keeps generating with the abandoned weights; use stable_sync or another action"
-            )
-        for rule in rules:
+        for rule in guard.rules if guard is not None else ():
             if rule.action == "escalate":
                 escalation.check(self.config, rule.escalate_to, f"stable.guard.rules.{rule.name}")
 
@@ -213,7 +214,12 @@ class GuardActionsMixin:
 
     def _load_checkpoint(self):
         """verl's resume; then, unless a rollback is loading, the guard's run state saved with that checkpoint: the
-        rollbacks counted so far, the escalations (re-applied to the config) and the action records."""
+        rollbacks counted so far, the escalations (re-applied to the config) and the action records.
+
+        Raises:
+            GuardStateError: the state file is there but damaged (:func:`verl_stable.monitor.guard_state
+                .read_guard_state`: truncated, a wrong type, a negative count), naming it.
+        """
         result = super()._load_checkpoint()
         if getattr(self, "_stable_rolling_back", False) or not self.global_steps:
             return result
@@ -224,12 +230,11 @@ class GuardActionsMixin:
         else:
             folder = os.path.join(trainer_config.default_local_dir, f"global_step_{self.global_steps}")
         path = os.path.join(folder, STATE_FILE)
-        if guard is None or not os.path.isfile(path):
+        if guard is None or not os.path.lexists(path):
             return result
-        with open(path) as f:
-            state = json.load(f)
-        guard.load_state_dict(state.get("guard", {}))
-        self._stable_action_records = check_records(state.get("records", []))
+        state = read_guard_state(path)  # a damaged file is refused, naming it: never read as a bigger budget
+        guard.load_state_dict(state["guard"])
+        self._stable_action_records = state["records"]
         for rule in guard.rules:
             if rule.action == "escalate" and rule.name in guard.escalations:
                 changes = escalation.apply(self.config, rule.escalate_to)

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import sys
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from verl_stable import env_vars
 from verl_stable.compat.import_hooks import when_imported
 
 logger = logging.getLogger("verl_stable")
@@ -43,6 +43,7 @@ REGISTRATION_STEPS: tuple[tuple[str, str], ...] = (
     ("fsdp_router_replay", "verl_stable.integration.fsdp_engine"),
     ("megatron_replay_metrics", "verl_stable.integration.megatron_replay"),
     ("rollout_routing", "verl_stable.integration.rollout"),
+    ("driver_checks", "verl_stable.integration.driver_checks"),
 )
 
 
@@ -59,17 +60,16 @@ class StepStatus:
 
 STATUS: dict[str, StepStatus] = {}
 
-ENV_SKIP_STEPS = "VERL_STABLE_SKIP_STEPS"
+ENV_SKIP_STEPS = env_vars.SKIP_STEPS.name
 
 
 def skipped_steps() -> frozenset[str]:
-    """Step names listed in ``VERL_STABLE_SKIP_STEPS``; an unknown name raises (a typo must not pass silently)."""
-    names = frozenset(n.strip() for n in os.environ.get(ENV_SKIP_STEPS, "").split(",") if n.strip())
-    unknown = names - {name for name, _ in REGISTRATION_STEPS}
-    if unknown:
-        known = ", ".join(name for name, _ in REGISTRATION_STEPS)
-        raise ValueError(f"{ENV_SKIP_STEPS} names unknown steps {sorted(unknown)}; known steps: {known}")
-    return names
+    """Step names listed in ``VERL_STABLE_SKIP_STEPS`` (:data:`verl_stable.env_vars.SKIP_STEPS`).
+
+    Raises:
+        ValueError: an unknown name (a typo must not pass silently).
+    """
+    return env_vars.SKIP_STEPS.read()
 
 
 def _run_step(name: str, module_name: str) -> StepStatus | None:

@@ -176,6 +176,8 @@ DPPO: dict[str, Any] = {
     # verl's default block otherwise (in bypass mode verl's v1 trainer computes no rollout correction at all)
     ROLLOUT_IS: None,
     ROLLOUT_IS_THRESHOLD: VERL_TIS_THRESHOLD,
+    # pi_old := mu: KL(mu || pi_old) is not measured, so the train-inference alarm could never fire (refused if kept)
+    "+stable.guard.rules.train_inference_kl.enabled": False,
 }
 """verl's DPPO with the Binary-TV loss: the loss verl's DPPO example runs when no ``LOSS_MODE`` is given, and the one
 verl's DPPO page sets against PPO in its headline comparison ("the proposed DPPO (the Binary-TV variant)",

@@ -197,7 +197,9 @@ def option_problems(cfg: Any) -> list[str]:
     rule's settings by verl's rollout correction at the step it fires (:func:`verl_stable.integration.escalation.check`);
     Ulysses sequence
     parallelism on the CPU runtime (``trainer.device=cpu``) without the varlen kernel, which would be silently wrong
-    there (see :data:`ULYSSES_KEYS`).
+    there (see :data:`ULYSSES_KEYS`); and the cross-field rules of :mod:`verl_stable.recipes.cross_checks` (a guard
+    that could not act, settings verl judges only at step 1, replay without its data, parallel sizes that do not
+    divide the world).
     """
     from omegaconf import OmegaConf
 
@@ -270,6 +272,11 @@ def option_problems(cfg: Any) -> list[str]:
             routing_fault_every(OmegaConf.to_container(cfg.actor_rollout_ref.rollout, resolve=True))
         except VllmCpuError as exc:
             problems.append(f"vllm rollout: {exc}")
+    from verl_stable.recipes.cross_checks import cross_field_problems
+
+    # settings valid on their own that cannot take effect in this run (the monitored trainer's constructor and verl's
+    # validate_config in the driver run the same checks)
+    problems += [p for p in cross_field_problems(cfg) if p not in problems]
     return problems
 
 
