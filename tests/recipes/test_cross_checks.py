@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from verl_stable.monitor import logged
+from verl_stable.recipes import geometry
 from verl_stable.recipes.compose import compose_recipe
 from verl_stable.recipes.cross_checks import (
     cross_field_problems,
@@ -203,7 +204,7 @@ def test_a_nan_threshold_is_what_verl_itself_would_take_silently():
     assert torch.isnan(weights.batch["rollout_is_weights"]).all()
 
 
-# --- 5. replay without its data, parallel sizes that do not divide the world ---------------------------------------
+# --- 5. replay without its data; 6. parallel sizes and batch sizes that do not divide --------------------------------------
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
 def test_r3_without_the_rollouts_routing_export_is_refused(backend):
     cfg = compose_recipe(backend, "minirl_n4_r3", ["actor_rollout_ref.rollout.enable_rollout_routing_replay=false"])
@@ -232,14 +233,14 @@ def test_r2_in_bypass_mode_is_refused():
 def test_megatron_parallel_sizes_that_do_not_divide_the_world_are_refused(overrides, message):
     import re
 
-    problems = replay_problems(compose_recipe("megatron", "minirl_n4_r3", overrides))
+    problems = geometry.layout_problems(compose_recipe("megatron", "minirl_n4_r3", overrides))
     assert any(re.search(message, p) for p in problems), problems
 
 
 def test_megatron_layouts_that_divide_the_world_pass():
     ok = ["trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
           "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"]  # fmt: skip
-    assert replay_problems(compose_recipe("megatron", "minirl_n4_r3", ok)) == []
+    assert geometry.layout_problems(compose_recipe("megatron", "minirl_n4_r3", ok)) == []
 
 
 # --- the runtime: verl's own validate_config in the driver ----------------------------------------------------------
@@ -352,3 +353,83 @@ def test_the_catalogues_staleness_names_are_the_losses():
     from verl_stable.monitor.staleness import STALENESS_NAMES
 
     assert logged.STALENESS == STALENESS_NAMES
+
+
+# --- 6. the batch geometry: the first update's assertion, before the run ------------------------------------------
+def test_the_issues_megatron_layout_with_the_recipes_micro_batches_is_refused_naming_the_keys():
+    """EP 2 x PP 2 on four ranks with the recipe's fixed micro-batches of 16: verl asserts at the first update."""
+    layout = [
+        "trainer.n_gpus_per_node=4",
+        "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+        "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+        "actor_rollout_ref.actor.use_dynamic_bsz=false",
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=false",
+        "data.train_batch_size=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.rollout.n=4",
+    ]
+    cfg = compose_recipe(
+        "megatron", "minirl_n4_r3", [*layout, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16"]
+    )
+    (problem,) = [p for p in geometry.batch_problems(cfg) if "update mini-batch" in p]
+    assert "4 samples of an update mini-batch" in problem and "over 2 ranks" in problem  # dp = 4 / (PP 2)
+    assert "ppo_micro_batch_size_per_gpu=16" in problem and "ppo_mini_batch_size=2" in problem
+    ok = compose_recipe(
+        "megatron",
+        "minirl_n4_r3",
+        [
+            *layout,
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+        ],
+    )
+    assert geometry.batch_problems(ok) == []
+
+
+def test_a_mini_batch_that_does_not_split_over_the_ranks_is_refused_and_dynamic_batches_are_not_judged():
+    fixed = [
+        "actor_rollout_ref.actor.use_dynamic_bsz=false",
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=false",
+    ]
+    geometry_ = ["trainer.n_gpus_per_node=3", "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+                 "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+                 "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1"]  # fmt: skip
+    (problem,) = geometry.batch_problems(_cfg(*fixed, *geometry_))
+    assert (
+        "an update mini-batch of 2 samples" in problem and "does not split over the actor's 3 data-parallel" in problem
+    )
+    assert geometry.batch_problems(_cfg(*geometry_)) == []  # the recipe's dynamic batch sizes: verl packs by tokens
+
+
+def test_the_old_log_prob_pass_share_counts_verls_padding():
+    """verl pads the step to lcm(dp, mini x n): 2 prompts x 4 = 8 samples on 2 ranks with mini-batches of 8 -> 4 a rank;
+    log-prob micro-batches of 3 do not split 4."""
+    fixed = ["actor_rollout_ref.actor.use_dynamic_bsz=false", "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=false",
+             "trainer.n_gpus_per_node=2", "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+             "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]  # fmt: skip
+    (problem,) = geometry.batch_problems(_cfg(*fixed, "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=3"))
+    assert "4 samples of the old-log-prob pass" in problem and "log_prob_micro_batch_size_per_gpu=3" in problem
+    assert geometry.batch_problems(_cfg(*fixed, "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2")) == []
+
+
+def test_the_cpu_runtime_refuses_megatron_layouts_it_cannot_run_exactly():
+    cpu = ["trainer.device=cpu", "trainer.n_gpus_per_node=2"]
+    r2_tp2 = compose_recipe(
+        "megatron", "minirl_n2_r2", [*cpu, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"]
+    )
+    assert any("R2 with expert-tensor parallel 2 on the CPU runtime" in p for p in geometry.layout_problems(r2_tp2))
+    r3_tp2 = compose_recipe(
+        "megatron", "minirl_n4_r3", [*cpu, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"]
+    )
+    assert geometry.layout_problems(r3_tp2) == []  # R3 replays every row's top-k: balanced
+    etp = compose_recipe(
+        "megatron",
+        "minirl_n4_r3",
+        [
+            *cpu,
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+            "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1",
+        ],
+    )
+    assert any("expert_tensor_parallel_size=1 differs from tensor_model_parallel_size=2" in p
+               for p in geometry.layout_problems(etp))  # fmt: skip

@@ -42,6 +42,7 @@ __all__ = [
     "MONITORED_MODES",
     "Family",
     "RunShape",
+    "config_get",
     "known",
     "logged_by",
     "not_logged_reason",
@@ -64,7 +65,8 @@ COMPACT_MANAGER = "CompactRoutingAgentLoopManagerTQ"
 """The agent-loop manager class of the compact routing transport (its ``stable/routing/transport/*`` counters)."""
 
 
-def _get(node: Any, dotted: str, default: Any = None) -> Any:
+def config_get(node: Any, dotted: str, default: Any = None) -> Any:
+    """The value at a dotted key of a config (a DictConfig or nested mappings); ``default`` where absent or null."""
     for part in dotted.split("."):
         if node is None or not hasattr(node, "get"):
             return default
@@ -122,37 +124,37 @@ class RunShape:
         (they need the guard's defaults); this reads the monitor's switch, taus and intervals directly, as plain
         values, so that a shape can be built from a config whose guard section is being checked.
         """
-        use_v1 = _get(cfg, "trainer.use_v1", True)
-        mode = _get(cfg, "trainer.v1.trainer_mode", "sync")
+        use_v1 = config_get(cfg, "trainer.use_v1", True)
+        mode = config_get(cfg, "trainer.v1.trainer_mode", "sync")
         monitored = bool(use_v1) and mode in MONITORED_MODES
-        stable = _get(cfg, "stable", None)
-        monitor_block = _get(stable, "monitor", None) if stable not in (True, False) else None
-        enable = stable is not False and monitor_block is not False and bool(_get(monitor_block, "enable", True))
-        strategy = str(_get(cfg, "actor_rollout_ref.actor.strategy", "fsdp"))
+        stable = config_get(cfg, "stable", None)
+        monitor_block = config_get(stable, "monitor", None) if stable not in (True, False) else None
+        enable = stable is not False and monitor_block is not False and bool(config_get(monitor_block, "enable", True))
+        strategy = str(config_get(cfg, "actor_rollout_ref.actor.strategy", "fsdp"))
         replay_key = (
             "actor_rollout_ref.actor.megatron.router_replay.mode"
             if strategy == "megatron"
             else "actor_rollout_ref.actor.fsdp_config.router_replay.mode"
         )
-        correction = _get(cfg, "algorithm.rollout_correction", None)
-        manager = str(_get(cfg, "actor_rollout_ref.rollout.agent.agent_loop_manager_class", "") or "")
+        correction = config_get(cfg, "algorithm.rollout_correction", None)
+        manager = str(config_get(cfg, "actor_rollout_ref.rollout.agent.agent_loop_manager_class", "") or "")
         return cls(
             monitored=monitored,
             monitor=monitored and enable,
-            taus=tuple(float(t) for t in _get(monitor_block, "taus", (2.0, 5.0))),
-            routing_interval=int(_get(monitor_block, "routing_interval", 1)),
-            train_routing_field=_get(monitor_block, "train_routing_field", None),
-            per_update=bool(_get(monitor_block, "per_update", True)),
+            taus=tuple(float(t) for t in config_get(monitor_block, "taus", (2.0, 5.0))),
+            routing_interval=int(config_get(monitor_block, "routing_interval", 1)),
+            train_routing_field=config_get(monitor_block, "train_routing_field", None),
+            per_update=bool(config_get(monitor_block, "per_update", True)),
             rules=tuple(rules) if monitored else (),
-            rollout_log_probs=bool(_get(cfg, "actor_rollout_ref.rollout.calculate_log_probs", False)),
-            bypass=bool(_get(correction, "bypass_mode", False)),
+            rollout_log_probs=bool(config_get(cfg, "actor_rollout_ref.rollout.calculate_log_probs", False)),
+            bypass=bool(config_get(correction, "bypass_mode", False)),
             rollout_correction=correction is not None,
-            rollout_is=_get(correction, "rollout_is", None),
-            rollout_routing=bool(_get(cfg, "actor_rollout_ref.rollout.enable_rollout_routing_replay", False)),
+            rollout_is=config_get(correction, "rollout_is", None),
+            rollout_routing=bool(config_get(cfg, "actor_rollout_ref.rollout.enable_rollout_routing_replay", False)),
             compact_transport=manager.rsplit(".", 1)[-1] == COMPACT_MANAGER,
             backend=strategy,
-            replay=str(_get(cfg, replay_key, "disabled") or "disabled"),
-            loss_mode=str(_get(cfg, "actor_rollout_ref.actor.policy_loss.loss_mode", "vanilla")),
+            replay=str(config_get(cfg, replay_key, "disabled") or "disabled"),
+            loss_mode=str(config_get(cfg, "actor_rollout_ref.actor.policy_loss.loss_mode", "vanilla")),
         )
 
     @property

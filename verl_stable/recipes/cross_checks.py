@@ -16,8 +16,9 @@ have started. One function per class of problem; each returns messages naming th
    trainer cannot carry out (roll back in an async mode, or with no checkpoint to go back to).
 4. :func:`rollout_correction_problems`: the run's own ``algorithm.rollout_correction``, judged by verl's own code
    on three tokens as at step 1 (a NaN or negative threshold, an unknown rejection-sampling name).
-5. :func:`replay_problems`: R3 without the rollout's routing export, R2 in bypass mode, and Megatron parallel sizes
-   that do not divide the world.
+5. :func:`replay_problems`: R3 without the rollout's routing export, R2 in bypass mode.
+6. :mod:`verl_stable.recipes.geometry`: parallel sizes that do not divide the world, layouts the CPU runtime cannot
+   run exactly, and batch sizes that do not split over the data-parallel ranks and their micro-batches.
 
 :func:`cross_field_problems` runs them all. The same function serves ``verl-stable recipe check``, the preflight of
 ``verl-stable run`` / ``recipe run-cpu`` / ``lab`` (through :func:`verl_stable.recipes.validate.option_problems`),
@@ -33,6 +34,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from verl_stable.monitor import logged
+from verl_stable.monitor.logged import config_get
+from verl_stable.recipes import geometry
+from verl_stable.schema import to_plain
 
 __all__ = [
     "cross_field_problems",
@@ -52,28 +56,10 @@ SLOPE_OPTIONS: tuple[str, ...] = ("window", "slope_tolerance")
 """Rule options only ``below_and_falling`` reads (the slope's window and tolerance)."""
 
 
-def _get(node: Any, dotted: str, default: Any = None) -> Any:
-    for part in dotted.split("."):
-        if node is None or not hasattr(node, "get"):
-            return default
-        node = node.get(part, None)
-    return default if node is None else node
-
-
-def _plain(node: Any) -> Any:
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-    except ImportError:  # pragma: no cover - omegaconf comes with verl
-        return node
-    if isinstance(node, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(node, resolve=True)
-    return node
-
-
 def _trainer_name(cfg: Any) -> str:
-    if not _get(cfg, "trainer.use_v1", True):
+    if not config_get(cfg, "trainer.use_v1", True):
         return "trainer.use_v1=false (verl's legacy trainer)"
-    return f"trainer.v1.trainer_mode={_get(cfg, 'trainer.v1.trainer_mode', 'sync')}"
+    return f"trainer.v1.trainer_mode={config_get(cfg, 'trainer.v1.trainer_mode', 'sync')}"
 
 
 def _active_rules(cfg: Any) -> tuple[Any, ...]:
@@ -87,7 +73,7 @@ def _active_rules(cfg: Any) -> tuple[Any, ...]:
 
 def _given_rules(cfg: Any) -> dict[str, dict[str, Any]]:
     """What the config itself writes under ``stable.guard.rules`` (name -> the keys given), not the defaults."""
-    stable = _plain(_get(cfg, "stable", None))
+    stable = to_plain(config_get(cfg, "stable", None))
     if not isinstance(stable, Mapping):
         return {}
     guard = stable.get("guard")
@@ -114,16 +100,16 @@ def monitor_problems(cfg: Any) -> list[str]:
     A block that only switches things off (``stable: false``, ``stable.guard: false`` ...) is consistent with any
     trainer and passes.
     """
-    stable = _plain(_get(cfg, "stable", None))
+    stable = to_plain(config_get(cfg, "stable", None))
     if _only_switched_off(stable) or logged.RunShape.from_config(cfg).monitored:
         return []
-    mode = str(_get(cfg, "trainer.v1.trainer_mode", "sync"))
+    mode = str(config_get(cfg, "trainer.v1.trainer_mode", "sync"))
     fix = (
         f"trainer.v1.trainer_mode=stable_{mode}"
         if mode in ("sync", "colocate_async", "separate_async")
         else "trainer.v1.trainer_mode=stable_sync"
     )
-    if not _get(cfg, "trainer.use_v1", True):
+    if not config_get(cfg, "trainer.use_v1", True):
         fix = "trainer.use_v1=true and " + fix
     return [
         f"stable is set ({_shown(stable)}) but {_trainer_name(cfg)} has no verl-stable monitor: no stable/ metric "
@@ -225,14 +211,14 @@ def rule_option_problems(cfg: Any) -> list[str]:
                     f"{where}.escalate_to {dict(rule.escalate_to)} is what {CORRECTION_KEY} already has in force: "
                     "the rule's one escalation would change nothing; escalate to something stricter"
                 )
-    mode = str(_get(cfg, "trainer.v1.trainer_mode", "sync"))
+    mode = str(config_get(cfg, "trainer.v1.trainer_mode", "sync"))
     rolling = [r.name for r in rules if r.action == "rollback"]
     if rolling and mode != "stable_sync":
         problems.append(
             f"{RULES_KEY} {rolling} roll back, which trainer_mode {mode} cannot: its rollout keeps generating with "
             "the abandoned weights; use stable_sync or another action"
         )
-    save_freq = _get(cfg, "trainer.save_freq", -1)
+    save_freq = config_get(cfg, "trainer.save_freq", -1)
     if rolling and isinstance(save_freq, int) and save_freq <= 0:
         problems.append(
             f"{RULES_KEY} {rolling} roll back to the last good checkpoint, but trainer.save_freq={save_freq} saves "
@@ -250,7 +236,7 @@ def rollout_correction_problems(cfg: Any) -> list[str]:
     ``token`` / ``sequence`` / null, and whatever verl's own rollout-correction code raises on, or returns a
     non-finite weight for, on three tokens with ratios on both sides of 1.
     """
-    section = _plain(_get(cfg, CORRECTION_KEY, None))
+    section = to_plain(config_get(cfg, CORRECTION_KEY, None))
     if not isinstance(section, Mapping):
         return []
     problems = []
@@ -291,66 +277,38 @@ def rollout_correction_problems(cfg: Any) -> list[str]:
 def _replay_key(cfg: Any) -> str:
     from verl_stable.recipes.regimes import ROUTER_REPLAY_KEY
 
-    strategy = _get(cfg, "actor_rollout_ref.actor.strategy", "fsdp")
+    strategy = config_get(cfg, "actor_rollout_ref.actor.strategy", "fsdp")
     return ROUTER_REPLAY_KEY["megatron" if strategy == "megatron" else "fsdp"]
 
 
 def replay_problems(cfg: Any) -> list[str]:
-    """Routing replay that cannot run, and Megatron parallel sizes that do not divide the world."""
+    """Routing replay that cannot run (the parallel layout and the batch geometry: :mod:`.geometry`)."""
     key = _replay_key(cfg)
-    mode = _get(cfg, key, "disabled")
+    mode = config_get(cfg, key, "disabled")
     problems = []
-    if mode == "R3" and not _get(cfg, ROLLOUT_ROUTING_KEY, False):
+    if mode == "R3" and not config_get(cfg, ROLLOUT_ROUTING_KEY, False):
         problems.append(
             f"{key}=R3 replays the rollout's routing, but {ROLLOUT_ROUTING_KEY}=false: the rollout exports none and "
             "the first old-log-prob pass would fail; set it true"
         )
-    if mode == "R2" and _get(cfg, f"{CORRECTION_KEY}.bypass_mode", False):
+    if mode == "R2" and config_get(cfg, f"{CORRECTION_KEY}.bypass_mode", False):
         problems.append(
             f"{key}=R2 records routing in the pi_old pass, which {CORRECTION_KEY}.bypass_mode=true skips: use R3 or "
             "bypass_mode=false"
-        )
-    if _get(cfg, "actor_rollout_ref.actor.strategy") == "megatron":
-        problems += megatron_layout_problems(cfg)
-    return problems
-
-
-def megatron_layout_problems(cfg: Any) -> list[str]:
-    """Megatron's parallel sizes against the world (``trainer.nnodes x trainer.n_gpus_per_node``).
-
-    megatron-core builds its groups only when the world splits into them: tensor x pipeline x context parallel
-    ranks for the dense part, expert x expert-tensor x pipeline parallel ranks for the experts (expert-tensor
-    parallel defaults to tensor parallel). verl checks the first only without dynamic batch sizes, and the second
-    not at all: the run dies when the workers initialise.
-    """
-    base = "actor_rollout_ref.actor.megatron"
-    world = int(_get(cfg, "trainer.nnodes", 1)) * int(_get(cfg, "trainer.n_gpus_per_node", 1))
-    size = {k: _get(cfg, f"{base}.{k}_parallel_size", None) for k in ("tensor_model", "pipeline_model", "context")}
-    size["expert_model"] = _get(cfg, f"{base}.expert_model_parallel_size", 1)
-    size["expert_tensor"] = _get(cfg, f"{base}.expert_tensor_parallel_size", None) or size["tensor_model"] or 1
-    problems = []
-    for name, value in size.items():
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            problems.append(f"{base}.{name}_parallel_size must be an int >= 1, got {value!r}")
-    if problems:
-        return problems
-    tp, pp, cp = (size[k] or 1 for k in ("tensor_model", "pipeline_model", "context"))
-    ep, etp = size["expert_model"], size["expert_tensor"]
-    if world % (tp * pp * cp):
-        problems.append(
-            f"{base}: tensor ({tp}) x pipeline ({pp}) x context ({cp}) parallel = {tp * pp * cp} ranks do not divide "
-            f"the world of {world} (trainer.nnodes x trainer.n_gpus_per_node)"
-        )
-    if world % (ep * etp * pp):
-        problems.append(
-            f"{base}: expert ({ep}) x expert-tensor ({etp}) x pipeline ({pp}) parallel = {ep * etp * pp} ranks do not "
-            f"divide the world of {world} (trainer.nnodes x trainer.n_gpus_per_node)"
         )
     return problems
 
 
 # ------------------------------------------------------------------------------------------------------- all
-CHECKS = (monitor_problems, rule_metric_problems, rule_option_problems, rollout_correction_problems, replay_problems)
+CHECKS = (
+    monitor_problems,
+    rule_metric_problems,
+    rule_option_problems,
+    rollout_correction_problems,
+    replay_problems,
+    geometry.layout_problems,
+    geometry.batch_problems,
+)
 """The classes, in the order a reader fixes them."""
 
 
