@@ -129,9 +129,11 @@ def test_answer_table_states_a_switch_only_where_the_paired_test_finds_it():
         "kl_k3_first": "lower",
         "clip_frac": "lower",
         "late_reward": "no effect",
+        "mean_reward": "no effect",
         "kl_k3_median": "lower",
     }
-    assert {m for m, d in r3.switch.judged if d} == {"kl_k3_first", "clip_frac", "late_reward"}
+    judged = {m for m, d in r3.switch.judged if d}
+    assert judged == {"kl_k3_first", "routing_disagreement", "clip_frac", "late_reward", "mean_reward"}
     table = R.answer_table(results)
     assert "| off-policy N = 4: mismatch + staleness | R3 | **yes** |" in table
     assert "KL(mu‖pi_old) k3 2.5e-05 [1.5e-05, 4.1e-05] vs 1.0e-03" in table  # geometric means, log-scale intervals
@@ -244,7 +246,7 @@ def test_a_no_effect_says_the_smallest_effect_it_could_have_seen():
     rows = _seeded("minirl", 1, kl=[1e-3, 2e-3, 3e-3], reward=[0.3, 0.5, 0.4])
     rows += _seeded("reinforce_no_is", 1, kl=[1.1e-3, 1.9e-3, 3.2e-3], reward=[0.31, 0.45, 0.42])
     (result,) = R.switch_results(R.summarize(rows))
-    (reward,) = [c for c, good in result.comparisons if good]
+    reward = next(c for c, good in result.comparisons if c.metric == "late_reward")
     # differences -0.01, +0.05, -0.02: sd 0.037859; MDE = 5.6535 * 0.037859 / sqrt(3) = 0.1236
     assert reward.mde == pytest.approx(5.6534893 * 0.0378594 / math.sqrt(3), rel=1e-5)
     assert "late reward 0.400 [0.152, 0.648] vs 0.393 [0.210, 0.576]: paired t-test over 3 seeds: p = 0.79" in (
@@ -257,7 +259,7 @@ def test_a_switch_that_hurts_is_reported_as_such():
     rows = _seeded("minirl", 4, kl=[1e-3] * 3, reward=[0.6, 0.62, 0.61])
     rows += _seeded("vespo", 4, kl=[1e-3] * 3, reward=[0.2, 0.21, 0.25])
     table = R.answer_table(R.switch_results(R.summarize(rows)))
-    assert "| VESPO | no: it hurts |" in table and "late reward" in table
+    assert "| VESPO | **hurts** | not judged (reward only) | late reward" in table
 
 
 def test_observations_follow_the_numbers():
@@ -315,9 +317,8 @@ def test_clipping_is_judged_on_reward_not_on_the_fraction_it_clips():
     rows += _seeded("minirl_noclip", 8, kl=[1e-3] * 3, reward=[0.1, 0.12, 0.08], clip=0.0)
     (result,) = R.switch_results(R.summarize(rows))
     assert result.switch.name == "clipping" and "clip_frac" not in {c.metric for c, _ in result.comparisons}
-    assert "| off-policy N = 8: mismatch + staleness | clipping | **yes** | late reward 0.523" in R.answer_table(
-        [result]
-    )
+    row = "| off-policy N = 8: mismatch + staleness | clipping | **yes** | not judged (reward only) | late reward 0.523"
+    assert row in R.answer_table([result])
 
 
 # ------------------------------------------------------------------------------------------- verl's own answers
@@ -329,7 +330,8 @@ def test_baselines_are_judged_on_reward_with_r3s_kl_shown_not_judged():
     (result,) = R.switch_results(R.summarize(rows))
     assert result.switch.name == "MiniRL + R3 over verl TIS" and result.switch in R.BASELINES
     judged = {c.metric: good for c, good in result.comparisons}
-    assert judged == {"late_reward": "higher", "kl_k3_median": None}  # no entropy logged; no clipped fraction
+    # no entropy logged; no clipped fraction
+    assert judged == {"late_reward": "higher", "mean_reward": "higher", "kl_k3_median": None}
     kl = next(c for c, _ in result.comparisons if c.metric == "kl_k3_median")
     assert kl.verdict == "lower"  # found, and still not what decides
     table = R.answer_table([result], baselines=True)
@@ -359,9 +361,55 @@ def test_dppo_has_no_train_inference_kl_and_is_judged_on_reward_alone(tmp_path):
     dppo_line = next(line for line in R.table(cells).splitlines() if line.startswith("| dppo |"))
     assert "0.0e+00" not in dppo_line and "| - | - | - |" in dppo_line  # mean KL, median-step KL, F(2)
     (result,) = R.switch_results(cells)
-    assert [c.metric for c, _ in result.comparisons] == ["late_reward"]
+    assert [c.metric for c, _ in result.comparisons] == ["late_reward", "mean_reward"]
     assert "| MiniRL + R3 over DPPO | **yes** | late reward 0.523" in R.answer_table([result], baselines=True)
     text = R.render_markdown(rows)
     own, _, against = text.partition("## Against verl's own answers: is MiniRL + R3 ahead?")
     assert "No switch has both of its variants at one N in these runs." in own and "MiniRL + R3 over DPPO" in against
     assert "bypass mode" in against
+
+
+def test_benefit_and_cost_are_judged_together_a_switch_that_removes_the_mismatch_and_costs_reward_is_a_trade_off():
+    """The shape seen on fresh seeds: R3 lowers step-1 KL on every seed and lowers the late reward on every seed."""
+    seeds = (0, 1, 2, 3)
+    rows = _seeded("minirl", 4, kl=[1e-3, 2e-3, 1.5e-3, 1e-3], reward=[0.37, 0.40, 0.35, 0.38], seeds=seeds)
+    rows += _seeded("minirl_r3", 4, kl=[1e-4, 1e-4, 2e-4, 1e-4], reward=[0.29, 0.31, 0.28, 0.30], seeds=seeds)
+    (r3,) = R.switch_results(R.summarize(rows))
+    # reward differences -0.08, -0.09, -0.07, -0.08: mean -0.08, sd 0.008165, t = -19.6, p = 2.9e-4
+    late = next(c for c, _ in r3.comparisons if c.metric == "late_reward")
+    assert late.verdict == "lower" and late.paired.p == pytest.approx(2.9e-4, rel=0.05)
+    assert [c.metric for c in r3.removes()] == ["kl_k3_first"]
+    assert {c.metric for c in r3.costs()} == {"late_reward", "mean_reward"}
+    assert r3.verdict() == "trade-off"
+    table = R.answer_table([r3])
+    row = next(line for line in table.splitlines() if "| R3 |" in line)
+    removes, costs = row.split(" | ")[3], row.split(" | ")[4]
+    assert "| **trade-off** |" in row
+    assert removes.startswith("step-1 KL(mu‖pi_old) k3") and "late reward" not in removes
+    assert costs.startswith("late reward 0.295") and "vs 0.375" in costs and "p = 0.00029" in costs
+    lines = "\n".join(R.comparison_lines([r3]))
+    # effect size -0.08 / 0.008165 = -9.8: 3 seeds give 80 % power (2 seeds leave one degree of freedom: 0.72)
+    late_line = next(line for line in lines.splitlines() if ", late reward:" in line)
+    assert late_line.endswith("seeds for 80% power at this effect size: 3.")
+
+
+def test_a_switch_that_only_costs_hurts_and_one_without_findings_is_no_effect():
+    seeds = (0, 1, 2)
+    rows = _seeded("minirl", 4, kl=[1e-3, 1e-3, 1e-3], reward=[0.4, 0.5, 0.45], seeds=seeds)
+    rows += _seeded("minirl_r2", 4, kl=[1.1e-3, 0.9e-3, 1e-3], reward=[0.3, 0.41, 0.34], seeds=seeds)
+    (r2,) = R.switch_results(R.summarize(rows))
+    assert r2.verdict() == "hurts" and r2.removes() == [] and r2.costs()
+    assert "| R2 | **hurts** |" in R.answer_table([r2])
+    same = _seeded("minirl", 4, kl=[1e-3, 2e-3, 3e-3], reward=[0.4, 0.5, 0.45], seeds=seeds)
+    same += _seeded("minirl_r2", 4, kl=[2e-3, 1e-3, 3.5e-3], reward=[0.45, 0.4, 0.47], seeds=seeds)
+    (flat,) = R.switch_results(R.summarize(same))
+    assert flat.verdict() == "no effect measured"
+
+
+def test_seeds_needed_is_the_smallest_count_with_the_power():
+    from verl_stable.lab.stats import POWER, paired_power, seeds_needed
+
+    for effect in (0.5, 1.0, 1.53, 3.0):
+        n = seeds_needed(effect)
+        assert paired_power(effect, n) >= POWER and (n == 2 or paired_power(effect, n - 1) < POWER)
+    assert seeds_needed(0.0) is None and seeds_needed(0.05) is None  # beyond 64 seeds

@@ -132,8 +132,9 @@ def test_a_run_that_fails_again_is_reported_with_its_error_and_its_seed_is_missi
     (row,) = [line for line in text.splitlines() if line.startswith("| off-policy N = 4") and "| R3 |" in line]
     assert missing in row
     r3_lines = [line for line in text.splitlines() if line.startswith("- R3, N=4")]
-    # step-1 KL and late reward (no clip logged) judged, the median-step KL shown: each names the missing seed
-    assert len(r3_lines) == 3 and all(missing in line for line in r3_lines)
+    # step-1 KL, late reward and reward over all steps (no clip logged) judged, the median-step KL shown: each names
+    # the missing seed
+    assert len(r3_lines) == 4 and all(missing in line for line in r3_lines)
 
 
 def test_a_failure_inside_training_or_in_the_config_is_not_retried(lab):

@@ -3,6 +3,7 @@ rule that decided it, and the observations that hold by construction (replay exa
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 from verl_stable.lab.stats import ALPHA, POWER, Comparison, Interval
@@ -10,12 +11,16 @@ from verl_stable.lab.summaries import LABELS, LOG_SCALE, CellSummary, cells_of, 
 from verl_stable.lab.switches import SwitchResult, regime_name
 
 RULE = (
-    "A switch is **needed** when, with it on, the step-1 KL(mu‖pi_old) (both runs of a seed on the same weights and "
-    "samples) or the clipped fraction is lower, or the late reward higher, by a paired t-test on the per-seed "
-    f"differences (the runs of one seed share data order and sampling seeds; KL on log10) at p < {ALPHA}; by Welch's t-test when the two sides share no seed. Otherwise: 'no "
-    f"effect measured (none larger than X)', X the smallest difference the design detects with {POWER:.0%} power. "
-    "Beside each verdict: the exact sign-flip p, the effect size (mean difference / sd of the differences) and the "
-    "unpaired Welch p. A comparison that lacks a seed (its run failed) says which."
+    "Each switch is judged on what it removes and what it costs, side by side. **Removes**: with it on, the step-1 "
+    "KL(mu‖pi_old) (both runs of a seed on the same weights and samples), the routing disagreement with the rollout "
+    "or the clipped fraction is lower; **costs** / **buys**: the late reward (second half of the steps) or the reward "
+    "over all steps (how fast it learned) is lower / higher. Each by a paired t-test on the per-seed differences (the "
+    f"runs of one seed share data order and sampling seeds; KL on log10) at p < {ALPHA}; by Welch's t-test when the "
+    "two sides share no seed. Verdicts: **yes** (removes or buys, costs nothing measured), **trade-off** (removes the "
+    "mismatch, costs reward), **hurts** (costs, removes and buys nothing), mixed, or 'no effect measured (none larger "
+    f"than X)', X the smallest difference the design detects with {POWER:.0%} power. Beside each finding: the exact "
+    "sign-flip p, the effect size (mean difference / sd of the differences) and the unpaired Welch p. A comparison "
+    "that lacks a seed (its run failed) says which."
 )
 BASELINE_RULE = (
     "MiniRL + R3 is **ahead** of a baseline of verl's when its late reward is higher by the same test. KL(mu‖pi_old) "
@@ -113,7 +118,8 @@ def _effect(c: Comparison) -> str:
 
 
 def answer_table(results: Sequence[SwitchResult], baselines: bool = False) -> str:
-    """The headline: regime -> switch -> needed? -> the evidence (findings with their test, or why none).
+    """The headline: regime -> switch -> verdict -> what it removes -> what it costs (findings with their test, or why
+    none).
 
     ``baselines``: the results are MiniRL + R3 against verl's own answers (``switches.BASELINES``); the verdict then
     reads "is MiniRL + R3 ahead?".
@@ -125,6 +131,8 @@ def answer_table(results: Sequence[SwitchResult], baselines: bool = False) -> st
         ]
     else:
         lines = ["| regime | switch | needed here? | evidence (mean [95 % interval] over seeds, switch on vs off) |"]
+    if not baselines:
+        return _switch_table(results)
     lines.append("|---|---|---|---|")
     for r in results:
         if not r.comparisons:
@@ -134,29 +142,56 @@ def answer_table(results: Sequence[SwitchResult], baselines: bool = False) -> st
         if helps and not hurts:
             verdict = "**yes**"
         elif hurts and not helps:
-            verdict = "no: the baseline is ahead" if baselines else "no: it hurts"
+            verdict = "no: the baseline is ahead"
         elif helps and hurts:
             verdict = "mixed"
         else:
             verdict = "no effect measured"
-        shown = helps + hurts
-        if shown:
-            evidence = "; ".join(f"{_effect(c)} ({c.test_text()})" for c in shown)
-        else:
-            few = all(c.verdict == "too few seeds" for c, _ in r.comparisons)
-            evidence = (
-                "fewer than 2 seeds: no test (rerun with --seeds 0 1 2)"
-                + "".join(f"; {c.left_out_text()}" for c, g in r.comparisons if g and c.left_out)
-                if few
-                else "; ".join(
-                    f"{_effect(c)}: {c.reason}" + (f" ({c.left_out_text()})" if c.left_out else "")
-                    for c, g in r.comparisons
-                    if g
-                )
-            )
-        if r.lacking:
-            evidence += f" ({missing_text(r)})"
+        evidence = _evidence(r, [c for c, good in r.comparisons if good])
         lines.append(f"| {regime_name(r.staleness)} | {r.switch.name} | {verdict} | {evidence} |")
+    return "\n".join(lines)
+
+
+def _evidence(r: SwitchResult, shown: Sequence[Comparison]) -> str:
+    """The findings among ``shown`` with their test, else why none (each "no effect" with the smallest effect the
+    design could detect), plus what the comparison lacks."""
+    if not shown:
+        text = "not judged here"
+    elif all(c.verdict == "too few seeds" for c in shown):
+        text = "fewer than 2 seeds: no test (rerun with --seeds 0 1 2)" + "".join(
+            f"; {c.left_out_text()}" for c in shown if c.left_out
+        )
+    else:
+        text = "; ".join(
+            f"{_effect(c)} ({c.test_text()})"
+            if c.is_finding
+            else f"{_effect(c)}: {c.reason}" + (f" ({c.left_out_text()})" if c.left_out else "")
+            for c in shown
+        )
+    return text + (f" ({missing_text(r)})" if r.lacking else "")
+
+
+def _switch_table(results: Sequence[SwitchResult]) -> str:
+    """regime -> switch -> verdict -> what it removes -> what it costs or buys, each with its paired statistics."""
+    from verl_stable.lab.switches import OUTCOMES, REMOVES
+
+    lines = [
+        "| regime | switch | verdict | removes (switch on vs off; mean [95 % interval] over seeds) | costs or buys "
+        "(reward, switch on vs off) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in results:
+        if not r.comparisons:
+            lines.append(f"| {regime_name(r.staleness)} | {r.switch.name} | not measured | {missing_text(r)} | |")
+            continue
+        verdict = r.verdict()
+        verdict = f"**{verdict}**" if verdict in ("yes", "trade-off", "hurts") else verdict
+        removes = [c for c, good in r.comparisons if good and c.metric in REMOVES]
+        outcomes = [c for c, good in r.comparisons if good and c.metric in OUTCOMES]
+        removed = _evidence(r, removes) if removes else "not judged (reward only)"
+        lines.append(
+            f"| {regime_name(r.staleness)} | {r.switch.name} | {verdict} | {removed} | {_evidence(r, outcomes)} |"
+        )
     return "\n".join(lines)
 
 
@@ -173,10 +208,22 @@ def comparison_lines(results: Sequence[SwitchResult]) -> list[str]:
             kind = "log10 differences" if c.log else "differences"
             out.append(
                 f"{r.switch.name}, N={r.staleness}, {LABELS[c.metric]}: {_effect(c)} -> **{verdict}**{role}: "
-                f"{c.reason}; per-seed {kind} [{per_seed}]; {c.test_text()}"
+                f"{c.reason}; per-seed {kind} [{per_seed}]; {c.test_text()}{_seeds_text(c)}"
                 + (f"; {missing_text(r)}." if r.lacking else ".")
             )
     return out
+
+
+def _seeds_text(c: Comparison) -> str:
+    """The seeds the paired test needs for :data:`POWER` at the effect size measured (the design's question for the
+    next sweep); empty without a paired test or effect."""
+    from verl_stable.lab.stats import seeds_needed
+
+    effect = c.paired.effect if c.paired is not None else None
+    if effect is None or not math.isfinite(effect) or effect == 0:
+        return ""
+    n = seeds_needed(effect)
+    return f"; seeds for {POWER:.0%} power at this effect size: {n if n is not None else '> 64'}"
 
 
 def observations(cells: Sequence[CellSummary]) -> list[str]:

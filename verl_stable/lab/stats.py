@@ -132,6 +132,15 @@ def paired_power(effect_size: float, n: int, alpha: float = ALPHA) -> float:
     return _t_power(abs(effect_size) * math.sqrt(n), n - 1, float(stats.t.ppf(1 - alpha / 2, n - 1)))
 
 
+def seeds_needed(effect_size: float, power: float = POWER, alpha: float = ALPHA, max_seeds: int = 64) -> int | None:
+    """The fewest seeds at which the paired t-test detects an effect of ``effect_size`` standard deviations of the
+    per-seed differences with probability ``power`` (:func:`paired_power`); None beyond ``max_seeds`` or for no effect.
+    """
+    if not math.isfinite(effect_size) or effect_size == 0:
+        return None
+    return next((n for n in range(2, max_seeds + 1) if paired_power(effect_size, n, alpha) >= power), None)
+
+
 def mde(se: float, df: float, alpha: float = ALPHA, power: float = POWER) -> float:
     """Minimum detectable effect of a two-sided t-test with standard error ``se`` on ``df`` degrees of freedom.
 

@@ -182,6 +182,7 @@ class RunSummary:
     clip_frac: float | None
     guard_fired: tuple[str, ...]
     late_reward: float | None = None
+    mean_reward: float | None = None  # over every step: how fast the run learned over the horizon
     kl_k3_median: float | None = None  # the median step's KL: robust to one spiking step (module docstring)
     kl_k3_first: float | None = None  # step 1's KL: both arms of a seed on the same weights and samples
     gap_median_first: float | None = None  # step 1's median token |log mu - log pi_old| (module docstring)
@@ -207,6 +208,7 @@ def _inputs(rows: Sequence[Mapping]) -> dict[str, tuple[str, Sequence[Mapping]]]
     first = [r for r in rows if r["step"] == 1]
     return {
         "late_reward": ("reward", rows[len(rows) // 2 :]),
+        "mean_reward": ("reward", rows),
         "final_reward": ("reward", final("reward")),
         "best_reward": ("reward", rows),
         "final_entropy": ("entropy", final("entropy")),
@@ -248,6 +250,7 @@ def summarize_run(rows: Sequence[Mapping]) -> RunSummary:
         router_disagreement=_mean(metric(r, "router_disagreement") for r in rows),
         clip_frac=_mean(metric(r, "clip_frac") for r in rows),
         late_reward=_mean(metric(r, "reward") for r in rows[len(rows) // 2 :]),
+        mean_reward=_mean(metric(r, "reward") for r in rows),
         kl_k3_median=_median(metric(r, "kl_k3") for r in rows),
         kl_k3_first=next((metric(r, "kl_k3") for r in rows if r["step"] == 1), None),
         gap_median_first=next((metric(r, "gap_median") for r in rows if r["step"] == 1), None),
@@ -283,6 +286,7 @@ def group_runs(rows: Sequence[Mapping]) -> dict[tuple[str, int, int], list[Mappi
 
 SUMMARY_FIELDS = (
     "late_reward",
+    "mean_reward",
     "final_reward",
     "best_reward",
     "final_entropy",
@@ -299,6 +303,7 @@ SUMMARY_FIELDS = (
 )
 LABELS = {
     "late_reward": "late reward",
+    "mean_reward": "reward over all steps",
     "final_reward": "final reward",
     "best_reward": "best reward",
     "final_entropy": "final entropy",

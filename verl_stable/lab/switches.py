@@ -23,13 +23,26 @@ from verl_stable.lab.summaries import CellSummary, cells_of, log_scale
 # the step-1 median token gap, failed its stated test on 8 fresh seeds and is shown, not judged).
 JUDGED = (
     ("kl_k3_first", "lower"),
+    ("routing_disagreement", "lower"),
     ("clip_frac", "lower"),
     ("late_reward", "higher"),
+    ("mean_reward", "higher"),
     ("gap_median_first", None),
     ("kl_k3_median", None),
     ("final_entropy", None),
 )
-REWARD_JUDGED = (("late_reward", "higher"), ("final_entropy", None), ("kl_k3_median", None))
+REMOVES = ("kl_k3_first", "routing_disagreement", "clip_frac")
+"""What a switch removes (its mechanism: the mismatch, the routing flips, the clipped tokens)."""
+OUTCOMES = ("late_reward", "mean_reward")
+"""What a switch costs or buys: the reward late in the run and over all its steps (how fast it learned). The paper
+warns that R2 and R3 change the target policy (R3 the first mini-batch's), so removing the mismatch can cost reward:
+both are judged, side by side."""
+REWARD_JUDGED = (
+    ("late_reward", "higher"),
+    ("mean_reward", "higher"),
+    ("final_entropy", None),
+    ("kl_k3_median", None),
+)
 # MiniRL + R3 against a baseline of verl's: judged on what a user adopts either for, the reward. Not on
 # KL(mu||pi_old): R3 computes pi_old with the rollout's routing replayed, so its KL is the mismatch left once routing
 # is pinned (numerics only), the baseline's the whole mismatch its IS weight (or nothing) must absorb; R3's is lower
@@ -38,7 +51,7 @@ REWARD_JUDGED = (("late_reward", "higher"), ("final_entropy", None), ("kl_k3_med
 # DPPO's TV bound), so the fractions count different things.
 BASELINE_JUDGED = REWARD_JUDGED
 # DPPO runs in verl's bypass mode (pi_old := mu): it has no KL(mu||pi_old) to show (summaries.PI_OLD_IS_ROLLOUT)
-DPPO_JUDGED = (("late_reward", "higher"), ("final_entropy", None))
+DPPO_JUDGED = (("late_reward", "higher"), ("mean_reward", "higher"), ("final_entropy", None))
 
 
 def regime_name(n: int) -> str:
@@ -135,6 +148,36 @@ class SwitchResult:
 
     def hurts(self) -> list[Comparison]:
         return [c for c, good in self.comparisons if good and c.is_finding and c.verdict != good]
+
+    def removes(self) -> list[Comparison]:
+        """Findings that the switch removes what it is for (:data:`REMOVES`, in its helpful direction)."""
+        return [c for c in self.helps() if c.metric in REMOVES]
+
+    def buys(self) -> list[Comparison]:
+        """Findings that the switch raises the reward (:data:`OUTCOMES`)."""
+        return [c for c in self.helps() if c.metric in OUTCOMES]
+
+    def costs(self) -> list[Comparison]:
+        """Findings that the switch lowers the reward, or raises what it should remove."""
+        return self.hurts()
+
+    def verdict(self) -> str:
+        """The answer, judging benefit and cost together.
+
+        ``yes``: it removes what it is for or raises the reward, and costs nothing measured; ``trade-off``: it removes
+        the mismatch (or the clipped tokens) but lowers the reward; ``hurts``: it costs and removes or buys nothing;
+        ``mixed``: it raises the reward on one measure and lowers it on another, or removes one thing and raises
+        another; ``no effect measured``: no finding either way.
+        """
+        removes, buys, costs = self.removes(), self.buys(), self.costs()
+        reward_costs = [c for c in costs if c.metric in OUTCOMES]
+        if not costs:
+            return "yes" if removes or buys else "no effect measured"
+        if not removes and not buys:
+            return "hurts"
+        if removes and not buys and len(reward_costs) == len(costs):
+            return "trade-off"
+        return "mixed"
 
 
 def _recorded_seeds(runs: Sequence[Mapping], variant: str, n: int) -> set[int]:
