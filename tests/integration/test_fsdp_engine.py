@@ -630,3 +630,73 @@ def test_plugin_leaves_verls_engine_in_place_on_a_verl_with_native_fsdp_replay(p
     assert result["step_registered"] == ["skipped: verl has native FSDP router replay (verl.utils.fsdp_router_replay)"]
     assert not result["subclass_built"] and not result["import_hook_left"]
     assert "FSDPEngineWithLMHeadReplay" not in result["registered_classes"]
+
+
+# ------------------------------------------------------------------- gradients under replay, against the gate formula
+def _gate_formula_forward(block, ids: torch.Tensor):
+    """Qwen3-MoE's sparse block written out at given expert ids, independent of transformers' and our routing code:
+    ``p = softmax(x W_r^T)``, ``w_k = p[ids_k] / sum_j p[ids_j]`` (``norm_topk_prob``), ``y = sum_k w_k E_{ids_k}(x)``
+    with ``E_e(x) = (act(x G_e^T) * (x U_e^T)) D_e^T``: the router's gradient flows through ``w`` only."""
+    experts = block.experts
+
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        assert x.shape[0] == ids.shape[0], "the reference needs one id row per token of the micro-batch"
+        probs = torch.softmax(x @ block.gate.weight.T, dim=-1, dtype=torch.float)
+        w = probs.gather(1, ids)
+        if block.gate.norm_topk_prob:
+            w = w / w.sum(dim=-1, keepdim=True)
+        gate_up = experts.gate_up_proj[ids]  # [T, K, 2I, H]
+        g, u = torch.einsum("th,tkih->tki", x, gate_up).chunk(2, dim=-1)
+        y = torch.einsum("tki,tkhi->tkh", experts.act_fn(g) * u, experts.down_proj[ids])
+        return (w.to(y.dtype).unsqueeze(-1) * y).sum(dim=1).reshape(shape)
+
+    return forward
+
+
+@contextmanager
+def _blocks_at(model, routed: torch.Tensor):
+    """Every MoE block of ``model`` computes :func:`_gate_formula_forward` at the packed rows' ids of its layer."""
+    blocks = {layer: model.model.layers[layer].mlp for layer in MOE_LAYERS}
+    try:
+        for layer, block in blocks.items():
+            block.forward = _gate_formula_forward(block, routed[:, layer].to(torch.long))
+        yield
+    finally:
+        for block in blocks.values():
+            del block.forward
+
+
+@pytest.mark.parametrize(("routes", "norm_topk_prob"), [("native", False), ("other", False), ("other", True)])
+def test_r3_update_gradients_equal_the_gate_formula_at_the_replayed_ids(routes, norm_topk_prob):
+    """Through verl's FSDP engine, an R3 update's log-probs and every gradient (router included) equal verl's own
+    engine running the MoE blocks written out at the same ids: the router's own choice (``native``: then also the
+    natural model's) or random other experts (``other``: the gate weights are the live softmax at the replayed ids,
+    renormalised over them with ``norm_topk_prob``)."""
+    model = engine_model()
+    model.config.norm_topk_prob = norm_topk_prob
+    for layer in MOE_LAYERS:
+        model.model.layers[layer].mlp.gate.norm_topk_prob = norm_topk_prob
+    if routes == "native":
+        routed = _run(_engine(model, mode="R2"), _batch(micro=4))[0]["routed_experts"].values()
+    else:
+        routed = _random_routing(sum(LENGTHS), seed=3)
+    model.zero_grad()
+    out, _ = _run(_engine(model, mode="R3"), _batch(routed=routed, micro=4), False, _sum_logp_loss)
+    replayed = _grads(model)
+    model.zero_grad()
+    with _blocks_at(model, routed):  # one micro-batch of the four samples in order: rows in the packed order
+        ref, _ = _run(_engine(model, cls=FSDPEngineWithLMHead), _batch(micro=4), False, _sum_logp_loss)
+    reference = _grads(model)
+    assert torch.allclose(out["log_probs"].values(), ref["log_probs"].values(), atol=1e-5)
+    router = "model.layers.0.mlp.gate.weight"
+    assert replayed.keys() == reference.keys() and reference[router].abs().sum() > 0
+    for name, grad in replayed.items():
+        assert torch.allclose(grad, reference[name], rtol=1e-4, atol=1e-6), name
+    if routes == "native":
+        model.zero_grad()
+        natural, _ = _run(_engine(model, cls=FSDPEngineWithLMHead), _batch(micro=4), False, _sum_logp_loss)
+        assert torch.equal(natural["log_probs"].values(), out["log_probs"].values())
+        for name, grad in _grads(model).items():
+            assert torch.equal(grad, replayed[name]), name
