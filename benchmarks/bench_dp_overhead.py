@@ -33,10 +33,10 @@ the fastest steps: other processes' load only adds time to a step, so on a share
 least disturbed estimate. Next to it the machine's busy CPU seconds per step (Linux: ``/proc/stat``'s user, nice,
 system, irq and softirq time, read whenever verl's metrics file gains a step; time the hypervisor gave other machines
 is not counted): a step's wall time also holds waits for a core, its CPU time only the work done (on the 2-core host
-of docs/benchmarks.md the two moved together: the same work took more CPU seconds in some runs than in others). Both
-come with a 90 % interval of the pooled median ratio, resampling whole rounds. And the CPU seconds per step of each
-process role (actor ranks, agent-loop worker, rollout servers, trainer, TransferQueue, Ray, ...; every process's
-``/proc/<pid>/stat`` after step 1 and after the last step): where the features' cost lands, r3 minus plain.
+of docs/explanation/benchmarks.md the two moved together: the same work took more CPU seconds in some runs than in
+others). Both come with a 90 % interval of the pooled median ratio, resampling whole rounds. And the CPU seconds per
+step of each process role (actor ranks, agent-loop worker, rollout servers, trainer, TransferQueue, Ray, ...; every
+process's ``/proc/<pid>/stat`` after step 1 and after the last step): where the features' cost lands, r3 minus plain.
 ``--report-only`` prints the figures of the runs already in ``--workdir``.
 
 Routing bytes per step (the transport's counters, ``stable/routing/transport/*``, computed on the driver from every

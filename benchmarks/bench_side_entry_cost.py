@@ -12,8 +12,8 @@ four terms on TransferQueue's own ``SimpleStorage`` as verl's trainer starts it,
 (where the agent-loop workers and actor ranks sit): the median latency of ``async_kv_put`` and ``async_kv_batch_get``
 of one uint8 entry at each size, the fixed cost (the median latency of entries up to 16 KiB) and the cost per MiB (the
 slope over entries of 1 MiB and more), and the break-even saved bytes. The default ``share_prompt_rows_min_bytes`` (2
-MiB) is the break-even measured on the 2-core host of docs/benchmarks.md rounded down to a power of two, so a group at
-the default saves at least what it costs there.
+MiB) is the break-even measured on the 2-core host of docs/explanation/benchmarks.md rounded down to a power of two, so
+a group at the default saves at least what it costs there.
 
     RAY_AUTH_MODE=disabled python benchmarks/bench_side_entry_cost.py [--reps 15] [--reads 2] [--max-mib 16]
 """

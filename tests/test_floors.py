@@ -1,4 +1,4 @@
-"""The import picture of docs/architecture.md, checked on the source: which floor may import which."""
+"""The import picture of docs/explanation/architecture.md, checked on the source: which floor may import which."""
 
 from __future__ import annotations
 

@@ -282,7 +282,7 @@ def _loss_config(sections):
 def test_the_configuration_doc_lists_every_key_of_the_schema():
     from pathlib import Path
 
-    doc = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
+    doc = (Path(__file__).parents[1] / "docs" / "reference" / "configuration.md").read_text()
     sections = {
         schema.MonitorOptions: "### `stable.monitor`",
         schema.GuardOptions: "### `stable.guard`",

@@ -1,4 +1,4 @@
-"""The ``verl-stable`` command line: ``doctor``, ``run`` (verl on CPU) and ``lab``.
+"""The ``verl-stable`` command line: ``doctor``, ``run`` (verl on CPU), ``recipe``, ``lab`` and ``probe``.
 
 Arguments are checked before anything starts: a bad one is refused with exit code 2 and a message saying what was
 expected (``doctor --model`` with a path that is not a checkpoint, ``run --precision fp9`` ...). ``doctor`` returns 1
@@ -261,13 +261,15 @@ DESCRIPTION = (
     "Stable RL for (MoE) LLMs on verl 0.9.1: MiniRL / VESPO losses, routing replay (R2 / R3), a stability monitor "
     "and guard. `doctor` checks that the installed verl, vLLM and this package fit together (and a model's routing); "
     "`recipe` lists, checks and runs the recipes for each regime; `run` runs verl's own trainer on CPU with a tiny "
-    "MoE; `lab` reproduces the paper's comparison on CPU and writes a report."
+    "MoE; `lab` reproduces the paper's comparison on CPU and writes a report; `probe` measures your own checkpoint's "
+    "training-inference mismatch (routing flips, KL with and without R3) before a run."
 )
 
 _DELEGATED = {
     "run": ("verl_stable.toy.launch", "run verl's own trainer (main_ppo) on CPU with tiny local assets"),
     "recipe": ("verl_stable.recipe_cli", "list, show, check or run the verl-stable recipes"),
     "lab": ("verl_stable.lab.cli", "the CPU lab: the paper's comparison with verl's own trainer, and a report"),
+    "probe": ("verl_stable.probe.cli", "which switch does my model need? its training-inference mismatch, measured"),
 }
 
 

@@ -1,6 +1,6 @@
 """Every metric name and prefix verl-stable logs, in one place (no imports; below every other module).
 
-The reference with meanings is docs/metrics.md. Where a name goes:
+The reference with meanings is docs/reference/metrics.md. Where a name goes:
 
 * the trainer's monitor logs ``stable/...`` directly (train-inference, IS effects, staleness, entropy, routing,
   guard);

@@ -61,7 +61,7 @@ MAX_EXPERTS = 1 << 16
 """Largest expert count the routing traces store (uint16 ids)."""
 DEFAULT_SHARE_MIN_BYTES = 1 << 21
 """Default ``verl_stable.routing.share_prompt_rows_min_bytes`` (2 MiB): below it a side entry's round trips cost more
-than the bytes a shared group saves (docs/benchmarks.md, "Side entries: break-even")."""
+than the bytes a shared group saves (docs/explanation/benchmarks.md, "Side entries: break-even")."""
 
 
 class ConfigError(ValueError, TypeError):

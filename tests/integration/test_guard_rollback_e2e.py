@@ -4,8 +4,8 @@ only ``stop`` the same run stops.
 
 The fault (:mod:`verl_stable.cpu.faults`): the 2nd optimizer step runs at 1000x the learning rate (1e-3 -> 1.0). Its
 damage is first seen in step 3's rollout: token entropy falls from ~3.2 to ~1 (measured: without a guard it stays
-~1 for the rest of the run, see docs/guard.md). The rule ``entropy_drop`` (entropy below 2.0) fires at step 3; the
-last good checkpoint is step 1 (checkpoint 2 holds the spiked update), so the run restores it and redoes steps 2-4.
+~1 for the rest of the run, see docs/reference/guard.md). The rule ``entropy_drop`` (entropy below 2.0) fires at step 3;
+the last good checkpoint is step 1 (checkpoint 2 holds the spiked update), so the run restores it and redoes steps 2-4.
 Step 2 starts from checkpoint 1's state in both lineages (the spike acts only at the end of step 2), so the redone
 step 2 must reproduce the first one bit for bit: the restore equals continuing from the same state.
 """

@@ -6,8 +6,8 @@ summary lists every action.
 One short run (MiniRL loss; bf16 rollout against fp32 training, so KL(mu || pi_old) > 0 at every step) with a fault:
 the ``hf`` rollout returns NaN log-probs for the rollouts of steps 2, 4 and 5 (``nan_logprobs_at_versions``, as a
 broken inference kernel would). The default rule ``train_inference_kl`` with ``action: skip_update``,
-``max_skips: 1`` (as docs/guard.md recommends it) sees KL(mu || pi_old) undefined there -- a watched value that is not
-finite fires a rule -- before the update, and the update is not applied. Step 2 is skipped and step 3 trains as
+``max_skips: 1`` (as docs/how-to/guard.md recommends it) sees KL(mu || pi_old) undefined there -- a watched value that
+is not finite fires a rule -- before the update, and the update is not applied. Step 2 is skipped and step 3 trains as
 before the fault; step 4 is skipped, and step 5, the second in a row, stops the run as ``stop_checkpoint``. Without
 the rule the same run stops at step 2 with MiniRL's refusal of the non-finite importance weights (measured:
 ``verl-stable recipe run-cpu fsdp/minirl_onpolicy --steps 3

@@ -3,7 +3,7 @@ its first error line, and every comparison says which seeds it lacks (issue #30)
 
 The runs here are fake runners passed into :func:`verl_stable.lab.sweep.run_sweep` (no verl start): they write what a
 real attempt leaves behind (``main_ppo.log``, ``metrics.jsonl``, ``done.json``). The real side-by-side starts of
-verl are in ``test_lab_sweep.py::test_two_runs_side_by_side_both_finish``.
+verl are in ``test_lab_sweep.py::test_mini_preset_end_to_end``.
 """
 
 from __future__ import annotations

@@ -13,13 +13,14 @@ from verl_stable.lab import variants as V
 
 def test_presets_cover_the_issue():
     default = sweep.PRESETS["default"]
-    assert set(default.runs) == {("minirl", 4), ("minirl_r3", 4)} and len(default.seeds) >= 6  # docs/lab.md: power
+    # docs/explanation/lab.md: power
+    assert set(default.runs) == {("minirl", 4), ("minirl_r3", 4)} and len(default.seeds) >= 6
     from verl_stable.lab.timing import estimate_seconds
 
     runs = default.run_specs()  # the default's budget: 10 minutes, two runs at a time
     assert estimate_seconds(len(runs), default.steps, [s.staleness for s in runs], jobs=2) <= 600
     evidence = sweep.PRESETS["evidence"]
-    assert evidence.seeds == default.seeds  # its R3 rows ask the default's question (docs/lab.md: power)
+    assert evidence.seeds == default.seeds  # its R3 rows ask the default's question (docs/explanation/lab.md: power)
     runs = evidence.run_specs()  # the evidence preset's budget: 60 minutes
     assert estimate_seconds(len(runs), evidence.steps, [s.staleness for s in runs], jobs=2) <= 3600
     assert {("reinforce_no_is", 1), ("minirl", 1)} <= set(evidence.runs)  # the IS weight on-policy
@@ -34,7 +35,7 @@ def test_presets_cover_the_issue():
     assert set(stability.runs) == {(v, 8) for v in switches + ("dppo", "vanilla_grpo")}
     assert stability.steps >= 24 and len(stability.seeds) >= 3
     assert not {0, 1, 2, 3, 4} & set(stability.seeds)  # seeds other than those the regime was found and confirmed on
-    for preset in sweep.PRESETS.values():  # one measured setting for every preset (docs/lab.md)
+    for preset in sweep.PRESETS.values():  # one measured setting for every preset (docs/explanation/lab.md)
         assert (preset.precision, preset.top_k, preset.router_noise) == ("int4", 2, 0.0)
     full = sweep.PRESETS["full"]
     assert {(v, n) for v in V.VARIANTS for n in V.STALENESS_CHOICES} == set(full.runs)

@@ -66,7 +66,7 @@ def requested(environ: os._Environ | dict[str, str] | None = None) -> tuple[str,
     Raises:
         ValueError: a name that is not a group of :data:`GROUPS`.
     """
-    # imported here: compat imports nothing of the project at its top (docs/architecture.md)
+    # imported here: compat imports nothing of the project at its top (docs/explanation/architecture.md)
     from verl_stable import env_vars
 
     return env_vars.SKIP_IMPORTS.read(environ)

@@ -19,8 +19,8 @@ This module is the launcher's side: whether a run uses the server (:func:`enable
 * :mod:`verl_stable.cpu.prefork_server` -- the server's loop and what a forked child does to become its process.
 
 **What is measured** (``python benchmarks/bench_run_startup.py``: a run's wall 0.567x and CPU 0.517x of the same run
-without the server; a forked run logs the plain run's values bit for bit) is in ``docs/cpu-runtime.md`` and
-``docs/benchmarks.md``; ``VERL_STABLE_PREFORK=0`` turns it off for a run.
+without the server; a forked run logs the plain run's values bit for bit) is in ``docs/explanation/cpu-runtime.md`` and
+``docs/explanation/benchmarks.md``; ``VERL_STABLE_PREFORK=0`` turns it off for a run.
 """
 
 from __future__ import annotations

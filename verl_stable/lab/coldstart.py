@@ -10,8 +10,8 @@ needs a torchrun/FSDP launch and its own dataset format: far more machinery than
 * routers frozen (``freeze_routers``, default): the MoE routers keep their initial weights while attention, experts,
   embeddings and head learn the task. Trained routers of a tiny model grow wide margins between the k-th and (k+1)-th
   expert (median 0.025 -> 0.073 in 30 steps), after which fp8 rollouts flip only ~1.3 % of routing decisions instead
-  of ~8 % (``benchmarks/bench_precision_flips.py``, ``docs/benchmarks.md``); keeping them at init keeps the routing
-  as fragile as a large MoE's (the R3 paper measures ~10 % on Qwen3-30B-A3B), which is what the lab compares;
+  of ~8 % (``benchmarks/bench_precision_flips.py``, ``docs/explanation/benchmarks.md``); keeping them at init keeps the
+  routing as fragile as a large MoE's (the R3 paper measures ~10 % on Qwen3-30B-A3B), which is what the lab compares;
 * stopping: every ``eval_every`` steps the *expected exact-match reward under sampling at temperature 1* is computed
   on held-out prompts, ``E[r] = mean_x pi(answer | x) * pi(<|im_end|> | x, answer)`` (the only token sequence the
   binary reward accepts), and training stops once it reaches ``target_reward`` (or after ``max_steps``).

@@ -32,9 +32,9 @@ class RunSpec:
 
 LAB_TOP_K = 2
 LAB_PRECISION = "int4"
-"""The lab's routing-mismatch setting, found by measurement (docs/lab.md, "The regime search"): top-2 routing and an
-int4-weight rollout flip ~10 % of routing decisions at the cold start, the rate the R3 paper measures between FP8
-inference and BF16 training on Qwen3-30B-A3B, with no artificial perturbation."""
+"""The lab's routing-mismatch setting, found by measurement (docs/explanation/lab.md, "How the setting was chosen"):
+top-2 routing and an int4-weight rollout flip ~10 % of routing decisions at the cold start, the rate the R3 paper
+measures between FP8 inference and BF16 training on Qwen3-30B-A3B, with no artificial perturbation."""
 
 
 @dataclass(frozen=True)
@@ -155,9 +155,9 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
-        # a quick look (<= 10 min on 2 cores, docs/lab.md): does R3 remove the routing mismatch at N = 4? Judged on
-        # step 1's KL, 6 seeds: power 0.94 on the spread of the 16 seeds judged so (0.68 at 4: seeds 40-43 found
-        # nothing); 4 steps keep 12 runs inside the budget (the judged step is the first)
+        # a quick look (<= 10 min on 2 cores, docs/explanation/lab.md): does R3 remove the routing mismatch at N = 4?
+        # Judged on step 1's KL, 6 seeds: power 0.94 on the spread of the 16 seeds judged so (0.68 at 4: seeds 40-43
+        # found nothing); 4 steps keep 12 runs inside the budget (the judged step is the first)
         Preset(
             "default",
             runs=(("minirl", 4), ("minirl_r3", 4)),
@@ -166,7 +166,8 @@ PRESETS: dict[str, Preset] = {
         ),
         # the full comparison (<= 60 min on 2 cores): the IS weight on-policy, R2 / R3 / VESPO and verl's own answers
         # (token TIS, DPPO, plain GRPO) at N = 4, clipping at N = 8; 6 seeds each, the default's: its R3 rows ask the
-        # default's question (power 0.68 at 4 seeds, 0.94 at 6 on the step-1 spread of 16 seeds, docs/lab.md)
+        # default's question (power 0.68 at 4 seeds, 0.94 at 6 on the step-1 spread of 16 seeds,
+        # docs/explanation/lab.md)
         Preset(
             "evidence",
             runs=(
@@ -193,10 +194,11 @@ PRESETS: dict[str, Preset] = {
             steps=8,
             seeds=(0, 1, 2),
         ),
-        # the regime where training fails without the practices (docs/lab.md, "The regime search" part 3; <= 2 h on
-        # 2 cores): 24 steps at N = 8, where MiniRL without clipping lagged or collapsed on the search's seeds 0-3;
-        # beside it the acting guard, each switch (clipping, the IS weight, R3, VESPO) and verl's answers with a trust
-        # region of their own (DPPO, plain GRPO's PPO clip), on seeds the search did not use. Left out for the budget
+        # the regime where training fails without the practices (docs/explanation/lab.md, "Where training fails
+        # without a trust region"; <= 2 h on 2 cores): 24 steps at N = 8, where MiniRL without clipping lagged or
+        # collapsed on the search's seeds 0-3; beside it the acting guard, each switch (clipping, the IS weight, R3,
+        # VESPO) and verl's answers with a trust region of their own (DPPO, plain GRPO's PPO clip), on seeds the
+        # search did not use. Left out for the budget
         # (a run here takes ~4 min of a 2-core host): R2 (what it replays, R3 replays more exactly) and verl's token
         # TIS (plain GRPO's trust region with an IS weight; the IS weight has its own switch)
         Preset(

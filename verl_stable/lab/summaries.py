@@ -15,9 +15,10 @@ bypass mode (pi_old is the rollout's log-probs: :data:`PI_OLD_IS_ROLLOUT`) has n
 Step 1's KL (``kl_k3_first``) is the per-run KL that the replay switches are judged on: at step 1 the two runs of a seed
 have the same weights, prompts and samples, so their difference is the switch alone, measured on the same tokens. Later
 steps compare two trajectories: once the arms' weights differ, a routing flip on one of them can raise a step's KL 100x,
-a spike the switch did not cause (docs/lab.md, "Statistics"). What the later steps add is shown beside it: the median
-step's KL (robust to one spiking step among three or more, where the mean is one spike divided by the step count; not
-the geometric mean, which still moves by ``spike^(1/T)`` and is undefined for a step logged as 0) and the mean.
+a spike the switch did not cause (docs/explanation/lab.md, "Statistics"). What the later steps add is shown beside it:
+the median step's KL (robust to one spiking step among three or more, where the mean is one spike divided by the step
+count; not the geometric mean, which still moves by ``spike^(1/T)`` and is undefined for a step logged as 0) and the
+mean.
 
 Step 1's KL is itself a mean over the step's tokens, and one token can decide it: where the int4 rollout gives a
 token 7x the probability the fp32 trainer does, that token's k3 term (~1.0) outweighs a hundred tokens' routing
@@ -26,7 +27,7 @@ mismatch, in both arms alike, so the arms' KLs come out equal whatever R3 did to
 (``stable/train_inf/log_ratio_abs_median``), the typical token's gap, which such a token cannot move. Stated
 before running as the statistic to judge instead, it failed on 8 fresh seeds: R3 barely moves the typical token (most
 are near-certain under both engines), its effect is in the tail the KL weighs. So it is shown beside the judged KL, not
-judged (docs/lab.md, "What the lab found").
+judged (docs/explanation/lab.md, "What the lab found").
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ A run whose attempt fails while starting (before its first step, for a reason of
 config or of the training code: :func:`startup_failure`) is started once more; its outcome counts the attempts and
 keeps the first attempt's error line, a run that fails for good carries the first error line of its log
 (:func:`first_error_line`), and both go to ``runs/<name>/outcome.json``, from which the report names them and the
-seeds each comparison lacks (docs/lab.md, "Runs side by side").
+seeds each comparison lacks (docs/explanation/lab.md, "Runs side by side").
 
 Runs are independent processes (each with its own local Ray instance), so ``jobs > 1`` runs several at once. On a small
 CPU host a run's wall time is dominated by start-up (each of verl's Ray actors imports torch, tensordict and verl in a

@@ -18,9 +18,9 @@ from verl_stable.lab.summaries import CellSummary, cells_of, log_scale
 
 # the metric and the direction in which a switch helps (None: shown, not judged). Replay's claims (the paper): lower
 # train-inference mismatch, fewer clipped tokens, higher reward. KL is judged at step 1, where both arms of a seed
-# share weights and samples, and the median step is shown (verl_stable.lab.summaries; docs/lab.md: the step-1
-# statistic was chosen on 14 seeds and confirmed on 4 fresh ones, stated before running; session 22's alternative,
-# the step-1 median token gap, failed its stated test on 8 fresh seeds and is shown, not judged).
+# share weights and samples, and the median step is shown (verl_stable.lab.summaries; docs/explanation/lab.md: the
+# step-1 statistic was chosen on 14 seeds and confirmed on 4 fresh ones, stated before running; session 22's
+# alternative, the step-1 median token gap, failed its stated test on 8 fresh seeds and is shown, not judged).
 JUDGED = (
     ("kl_k3_first", "lower"),
     ("routing_disagreement", "lower"),

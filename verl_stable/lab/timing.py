@@ -7,8 +7,8 @@ reward-loop workers) and first calls, so it is shown apart.
 
 :func:`estimate_seconds` is printed before a sweep starts: runs go ``jobs`` at a time, each taking a start-up plus
 ``steps`` steps whose time grows with N (a step samples and trains N mini-batches). Its constants were measured on the
-development machine (2 cores, two runs at a time, ``docs/lab.md`` "Where the time goes"); a sweep's own report then
-gives the measured split.
+development machine (2 cores, two runs at a time, ``docs/explanation/lab.md`` "What a run costs"); a sweep's own report
+then gives the measured split.
 """
 
 from __future__ import annotations

@@ -83,9 +83,9 @@ metrics need a finite trust region with eps_low < 1, so "none" is this wide one.
 ENTROPY_BLOWUP = "+stable.guard.rules.entropy_blowup"
 ENTROPY_BLOWUP_THRESHOLD = 4.0
 """The acting guard's line (``actor/entropy``, the token entropy of the policy being updated, nats): set from the runs
-that found the stability regime (docs/lab.md, "The regime search" part 3: seeds 0-3 at N = 8, 24 steps): every
-run with clipping stayed at or below 2.5, the runs without clipping that lost the task rose to 6.8-11.8 within a few
-steps of leaving it; judged on the `stability` preset's other seeds."""
+that found the stability regime (docs/explanation/lab.md, "Where training fails without a trust region": seeds 0-3 at
+N = 8, 24 steps): every run with clipping stayed at or below 2.5, the runs without clipping that lost the task rose to
+6.8-11.8 within a few steps of leaving it; judged on the `stability` preset's other seeds."""
 GUARDED: dict[str, Any] = {
     f"{ENTROPY_BLOWUP}.condition": "above",
     f"{ENTROPY_BLOWUP}.metric": "actor/entropy",

@@ -390,7 +390,7 @@ FAMILIES: tuple[Family, ...] = (
         example="training/rollout_probs_diff_mean",
     ),
 )
-"""Every metric family, in the order the docs list them (docs/metrics.md)."""
+"""Every metric family, in the order the docs list them (docs/reference/metrics.md)."""
 
 _VERL_OWN = ("actor/entropy", "actor/", "critic/", "rollout_corr/", "training/")
 

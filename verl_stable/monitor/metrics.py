@@ -1,7 +1,7 @@
 """Stability metrics as pure functions: tensors in, ``{"stable/...": float}`` out. The monitor's public entry point.
 
-Notation (see ``docs/notation.md``): per response token, ``logp_mu`` is the inference engine's log-probability of
-the sampled token (verl's ``rollout_log_probs``), ``logp_old`` the training engine's with the same weights
+Notation (see ``docs/reference/notation.md``): per response token, ``logp_mu`` is the inference engine's log-probability
+of the sampled token (verl's ``rollout_log_probs``), ``logp_old`` the training engine's with the same weights
 (``old_log_probs``, pi_old) and ``logp_theta`` the policy being updated. All per-token inputs are
 ``[batch, response_len]`` tensors aligned with a 0/1 ``mask`` of valid tokens; every mean is over valid tokens only.
 

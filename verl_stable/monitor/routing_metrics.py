@@ -2,8 +2,8 @@
 
 The disagreement itself is computed by :mod:`verl_stable.routing.disagreement`; this module only names it under
 ``stable/routing/``. Expert ids are ``[tokens, layers, top_k]`` integer tensors as in verl's rollout routing
-traces, where a dense layer's row is all zero. Symbols are defined in ``docs/notation.md``; input checks are those
-of :mod:`verl_stable.monitor.common`. Replay coverage (:func:`replay_coverage_metrics`) turns the row counts the
+traces, where a dense layer's row is all zero. Symbols are defined in ``docs/reference/notation.md``; input checks are
+those of :mod:`verl_stable.monitor.common`. Replay coverage (:func:`replay_coverage_metrics`) turns the row counts the
 replay engine returns (:data:`COVERAGE_COUNTS`, counted by :func:`verl_stable.routing.replay_pass.coverage_counts`)
 into fractions. This module does not import verl.
 """

@@ -2,7 +2,8 @@
 
 :func:`staleness_statistics` runs inside the policy loss on every micro-batch (0-d tensors, no host read of the
 statistics); :func:`staleness_metrics` is its float version with the conventions of
-:mod:`verl_stable.monitor.common`. Symbols are defined in ``docs/notation.md``. This module does not import verl.
+:mod:`verl_stable.monitor.common`. Symbols are defined in ``docs/reference/notation.md``. This module does not import
+verl.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Inputs are per response token, ``[batch, response_len]``: ``logp_mu`` from the inference engine (verl's
 ``rollout_log_probs``), ``logp_old`` from the training engine with the same weights (``old_log_probs``), a 0/1
-valid-token mask and, optionally, the IS weights verl applied. Symbols are defined in ``docs/notation.md``; input
-checks and the treatment of non-finite values are those of :mod:`verl_stable.monitor.common`.
+valid-token mask and, optionally, the IS weights verl applied. Symbols are defined in ``docs/reference/notation.md``;
+input checks and the treatment of non-finite values are those of :mod:`verl_stable.monitor.common`.
 
 A mismatch too large for float64 is reported as ``inf`` (and trips the guard's ``train_inference_kl`` rule), never
 skipped: a token that one engine gives probability zero (log-prob ``-inf``) and the other does not has an infinite

@@ -16,7 +16,7 @@ Two runs of one command and seed differ in verl 0.9.1 for two reasons the agent-
   trainer sorts each sampled batch by :class:`DispatchLedger` (the agent-loop manager records the order it
   dispatched prompts in): nothing waits. With verl's own ``sync`` trainer, which cannot be told the order,
   :class:`PutOrder` lets each sample's put wait until every sample dispatched before it has been put (or has
-  failed): the puts of a step then run one after another (their cost is measured in ``docs/benchmarks.md``,
+  failed): the puts of a step then run one after another (their cost is measured in ``docs/explanation/benchmarks.md``,
   "Two actor ranks"). verl splits a dispatch into contiguous chunks, one per agent-loop worker
   (``rollout.agent.num_workers``, 8 by default), and TransferQueue lists keys in the order their puts reached it, so
   with several workers a worker's own order is not enough: the manager also numbers each prompt's group with a

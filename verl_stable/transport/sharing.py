@@ -36,7 +36,7 @@ the sample's own prompt rows; and a side entry is put before any sample that ref
 key exists, so clearing by "no key of the group left" never removes an entry a live sample still needs.
 
 What it saves and what it costs (bytes per token, round trips, the break-even behind the default minimum) is measured
-in docs/benchmarks.md (``benchmarks/bench_routing_transport.py``, ``benchmarks/bench_side_entry_cost.py``).
+in docs/explanation/benchmarks.md (``benchmarks/bench_routing_transport.py``, ``benchmarks/bench_side_entry_cost.py``).
 
 No verl import; TransferQueue is imported only when no reader / writer is passed.
 """

@@ -17,7 +17,7 @@ between that code path and the CPU build of vLLM; this module owns all three, an
 3. **Settings vLLM refuses on CPU**: sleep mode and CUDA graphs. :func:`check_rollout_config` names them before any
    engine starts; :data:`RUNTIME_OVERRIDES` are the overrides that satisfy it.
 
-The probe facts behind this (versions, head size, environment variables) are in ``docs/cpu-runtime.md``.
+The probe facts behind this (versions, head size, environment variables) are in ``docs/explanation/cpu-runtime.md``.
 
 Fault injection, for tests only: ``actor_rollout_ref.rollout.engine_kwargs.vllm.corrupt_routing_every`` (default 0,
 off; :func:`routing_fault_every`) makes the server replace the routed experts of one request in k with a malformed

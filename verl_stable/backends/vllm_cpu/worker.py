@@ -19,7 +19,7 @@ the tiny Qwen3-MoE, 10 % of (token, layer) routing decisions differed from the s
 and log-probs differed by up to 0.034 (the "7-9 % unexplained router disagreement" seen inside verl). Dropping each CPU
 MoE layer's kernel before the reload makes vLLM process the layer as on its first load (pad, convert, prepack, build
 the kernel); afterwards routing equals the checkpoint-loaded engine on 100 % of rows and log-probs agree within 3e-7
-(``tests/cpu/test_vllm_rollout.py``, ``docs/cpu-runtime.md``).
+(``tests/cpu/test_vllm_rollout.py``, ``docs/explanation/cpu-runtime.md``).
 
 verl's shared-memory bucket receiver (the CPU platform has no CUDA IPC) hands out views into one reused buffer, and the
 layerwise reload keeps incoming tensors until their layer is complete: each received tensor is copied, or the next
