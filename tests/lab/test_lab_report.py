@@ -413,3 +413,16 @@ def test_seeds_needed_is_the_smallest_count_with_the_power():
         n = seeds_needed(effect)
         assert paired_power(effect, n) >= POWER and (n == 2 or paired_power(effect, n - 1) < POWER)
     assert seeds_needed(0.0) is None and seeds_needed(0.05) is None  # beyond 64 seeds
+
+
+def test_r2s_routing_disagreement_is_shown_not_judged_its_target_is_pi_olds_routing():
+    """Under R2 the engine compares the used experts with pi_old's recorded routing, not the rollout's: its 0 is
+    replay exactness, not flips removed. Judged on it, R2 would read 'yes' on every seed set (measured on seeds 70-75)."""
+    seeds = (0, 1, 2)
+    rows = _seeded("minirl", 4, kl=[1e-3, 2e-3, 3e-3], reward=[0.4, 0.5, 0.45], seeds=seeds)
+    rows += _seeded("minirl_r2", 4, kl=[1e-3, 2e-3, 3e-3], reward=[0.41, 0.48, 0.46], seeds=seeds)
+    for r in rows:
+        r["stable/routing/disagreement"] = 0.0 if r["variant"] == "minirl_r2" else 0.24 + 0.01 * r["seed"]
+    (r2,) = R.switch_results(R.summarize(rows))
+    judged = {c.metric: good for c, good in r2.comparisons}
+    assert judged["routing_disagreement"] is None and r2.verdict() == "no effect measured"

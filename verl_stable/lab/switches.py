@@ -37,6 +37,10 @@ OUTCOMES = ("late_reward", "mean_reward")
 """What a switch costs or buys: the reward late in the run and over all its steps (how fast it learned). The paper
 warns that R2 and R3 change the target policy (R3 the first mini-batch's), so removing the mismatch can cost reward:
 both are judged, side by side."""
+# R2 replays pi_old's routing: its engine measures the used experts against that target, not against the rollout's,
+# so its 0 routing disagreement says "replayed exactly", not "the rollout's flips removed" (the step-1 KL says that):
+# shown, not judged, for R2 and R3 over R2
+NOT_ROLLOUT_ROUTING = tuple((m, None if m == "routing_disagreement" else d) for m, d in JUDGED)
 REWARD_JUDGED = (
     ("late_reward", "higher"),
     ("mean_reward", "higher"),
@@ -78,8 +82,8 @@ SWITCHES = (
         "IS weight", "minirl", "reinforce_no_is", "MiniRL's truncated train-inference IS weight vs none", REWARD_JUDGED
     ),
     Switch("R3", "minirl_r3", "minirl", "MiniRL + R3 (replay the rollout's routing) vs MiniRL"),
-    Switch("R2", "minirl_r2", "minirl", "MiniRL + R2 (replay pi_old's routing) vs MiniRL"),
-    Switch("R3 over R2", "minirl_r3", "minirl_r2", "R3 vs R2"),
+    Switch("R2", "minirl_r2", "minirl", "MiniRL + R2 (replay pi_old's routing) vs MiniRL", NOT_ROLLOUT_ROUTING),
+    Switch("R3 over R2", "minirl_r3", "minirl_r2", "R3 vs R2", NOT_ROLLOUT_ROUTING),
     # the clipped fraction is what clipping does, not a cost: judged on reward only
     Switch("clipping", "minirl", "minirl_noclip", "MiniRL's clipping (trust region) vs none", REWARD_JUDGED),
     Switch("VESPO", "vespo", "minirl", "VESPO (sequence-level reshaping) vs MiniRL", REWARD_JUDGED),
