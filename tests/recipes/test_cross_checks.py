@@ -326,7 +326,7 @@ def _overrides(c):
     return ov
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(configs)
 def test_every_configuration_is_refused_naming_the_key_or_every_rule_can_fire(c):
     cfg = _cfg(*_overrides(c))
