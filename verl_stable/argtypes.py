@@ -26,15 +26,24 @@ def resolve_path(path: str | os.PathLike, what: str) -> Path:
         raise ValueError(f"{what} {os.fspath(path)} cannot be resolved ({why}); expected a directory path") from None
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1."""
+def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0."""
+    return _int_at_least(text, 0)
 
 
 def _finite_above_zero(text: str, expected: str) -> float:

@@ -7,19 +7,14 @@ The only stand-in is the actor's Ray worker group (a run's remote actors), whose
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
-import verl
-from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
-from verl.trainer.ppo.v1 import get_trainer_cls
+from testkit.guard import stable_trainer
 
 from verl_stable.integration import guard_actions as GA
-from verl_stable.integration import trainer as T
 from verl_stable.monitor.run_summary import SUMMARY_FILE
 
-CONFIG_DIR = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
 KL = "stable/train_inf/kl_k3"
 RULES = (
     "+stable.guard.rules.kl_escalate.condition=above",
@@ -32,33 +27,8 @@ RULES = (
 )
 
 
-class _ActorGroup:
-    """Stands in for the run's actor worker group (remote Ray actors): records what verl asks it to load."""
-
-    def __init__(self) -> None:
-        self.loaded: list[str] = []
-
-    def load_checkpoint(self, local_path, del_local_after_load=False):
-        self.loaded.append(local_path)
-
-
 def _trainer(root, *overrides):
-    T.register()
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
-        cfg = compose(
-            config_name="ppo_trainer",
-            overrides=[
-                "trainer.v1.trainer_mode=stable_sync",
-                "algorithm.adv_estimator=grpo",  # no critic
-                f"trainer.default_local_dir={root}",
-                *RULES,
-                *overrides,
-            ],
-        )
-    trainer = get_trainer_cls("stable_sync")(cfg)
-    trainer.total_training_steps = 10
-    trainer.actor_rollout_wg = _ActorGroup()
-    return trainer
+    return stable_trainer(root, *RULES, *overrides)
 
 
 def _checkpoint(root, step):

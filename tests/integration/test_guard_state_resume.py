@@ -6,18 +6,13 @@ would otherwise give a rule more rollbacks than its ``max_rollbacks``, a truncat
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
-import verl
-from hydra import compose, initialize_config_dir
-from verl.trainer.ppo.v1 import get_trainer_cls
+from testkit.guard import stable_trainer
 
 from verl_stable.integration import guard_actions as GA
-from verl_stable.integration import trainer as T
 from verl_stable.monitor.guard_state import GuardStateError
 
-CONFIG_DIR = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
 RULES = (
     "+stable.guard.rules.entropy_blowup.condition=above",
     "+stable.guard.rules.entropy_blowup.metric=stable/entropy/mean",
@@ -27,32 +22,8 @@ RULES = (
 )
 
 
-class _ActorGroup:
-    def __init__(self) -> None:
-        self.loaded: list[str] = []
-
-    def load_checkpoint(self, local_path, del_local_after_load=False):
-        self.loaded.append(local_path)
-
-
 def _restarted_trainer(root):
-    T.register()
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
-        cfg = compose(
-            config_name="ppo_trainer",
-            overrides=[
-                "trainer.v1.trainer_mode=stable_sync",
-                "algorithm.adv_estimator=grpo",
-                f"trainer.default_local_dir={root}",
-                "trainer.resume_mode=auto",
-                "trainer.save_freq=1",  # a rollback rule needs checkpoints to go back to
-                *RULES,
-            ],
-        )
-    trainer = get_trainer_cls("stable_sync")(cfg)
-    trainer.total_training_steps = 10
-    trainer.actor_rollout_wg = _ActorGroup()
-    return trainer
+    return stable_trainer(root, "trainer.resume_mode=auto", "trainer.save_freq=1", *RULES)  # save_freq: rollbacks
 
 
 def _checkpoint_with_state(root, state) -> str:

@@ -11,6 +11,7 @@ configuration logs); the catalogue itself is held against real runs' logged metr
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -159,7 +160,7 @@ def test_the_default_kl_rule_in_bypass_mode_is_refused_with_what_would_log_its_m
 )
 def test_options_that_do_nothing_for_their_rule_are_refused(overrides, message):
     problems = rule_option_problems(_cfg(*overrides))
-    assert any(__import__("re").search(message, p) for p in problems), problems
+    assert any(re.search(message, p) for p in problems), problems
 
 
 def test_an_escalation_to_what_is_already_in_force_is_refused_and_a_stricter_one_passes():
@@ -186,8 +187,6 @@ def test_an_escalation_to_what_is_already_in_force_is_refused_and_a_stricter_one
     ],
 )
 def test_the_runs_own_rollout_correction_is_judged_by_verl_before_the_run(override, message):
-    import re
-
     problems = rollout_correction_problems(_cfg(override))
     assert len(problems) == 1 and re.search(message, problems[0]), problems
 
@@ -231,8 +230,6 @@ def test_r2_in_bypass_mode_is_refused():
     ],
 )  # fmt: skip
 def test_megatron_parallel_sizes_that_do_not_divide_the_world_are_refused(overrides, message):
-    import re
-
     problems = geometry.layout_problems(compose_recipe("megatron", "minirl_n4_r3", overrides))
     assert any(re.search(message, p) for p in problems), problems
 

@@ -163,6 +163,11 @@ class RunShape:
         return self.replay in ("R2", "R3")
 
     @property
+    def train_inference(self) -> bool:
+        """The monitor measures KL(mu || pi_old): it runs, and pi_old is the training engine's against the rollout's mu."""
+        return self.monitor and self.pi_old_from_training
+
+    @property
     def pi_old_from_training(self) -> bool:
         """pi_old is recomputed by the training engine and mu exists: the train-inference metrics have a value."""
         return self.rollout_log_probs and not self.bypass
@@ -229,25 +234,25 @@ FAMILIES: tuple[Family, ...] = (
     Family(r"stable/valid_tokens", lambda s: s.monitor, _MONITOR, example="stable/valid_tokens"),
     Family(
         r"stable/train_inf/" + _alt(TRAIN_INF_NAMES),
-        lambda s: s.monitor and s.pi_old_from_training,
+        lambda s: s.train_inference,
         _TRAIN_INF,
         example="stable/train_inf/kl_k3",
     ),
     Family(
         r"stable/train_inf/extreme_frac_tau{taus}",
-        lambda s: s.monitor and s.pi_old_from_training,
+        lambda s: s.train_inference,
         _TRAIN_INF + "; F(tau) is logged for the taus of stable.monitor.taus only",
         example="stable/train_inf/extreme_frac_tau2",
     ),
     Family(
         r"stable/train_inf/frac_truncated",
-        lambda s: s.monitor and s.pi_old_from_training and s.rollout_is == "token",
+        lambda s: s.train_inference and s.rollout_is == "token",
         _TRAIN_INF + "; the truncated fraction needs token-level IS (algorithm.rollout_correction.rollout_is=token)",
         example="stable/train_inf/frac_truncated",
     ),
     Family(
         r"stable/is/" + _alt(("nonfinite_frac", "ess", "weight_mean", "weight_max")),
-        lambda s: s.monitor and s.pi_old_from_training and s.rollout_correction and s.rollout_is is not None,
+        lambda s: s.train_inference and s.rollout_correction and s.rollout_is is not None,
         _IS,
         example="stable/is/ess",
     ),

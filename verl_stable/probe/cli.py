@@ -17,23 +17,13 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from verl_stable.argtypes import positive_int, resolve_path
+from verl_stable.argtypes import non_negative_int, positive_int, resolve_path
 
 __all__ = ["PROG", "build_parser", "main"]
 
 PROG = "verl-stable probe"
 PRECISION_CHOICES = ("fp32", "bf16", "fp16", "fp8", "fp8_w8a8", "int4")
 DEVICES = ("auto", "cpu", "cuda")
-
-
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-tokens", type=positive_int, default=64, help="tokens per completion at most (data.max_response_length)"
     )
-    parser.add_argument("--seed", type=_seed, default=0, help="sampling seed (default: %(default)s)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="sampling seed (default: %(default)s)")
     parser.add_argument("--device", choices=DEVICES, default="auto", help="where the models run (auto: cuda if any)")
     parser.add_argument("--out", default="./verl_stable_probe", help="report folder (default: %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

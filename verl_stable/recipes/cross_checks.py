@@ -83,14 +83,15 @@ def _given_rules(cfg: Any) -> dict[str, dict[str, Any]]:
     return {str(k): dict(v) for k, v in rules.items() if isinstance(v, Mapping) and v.get("enabled", True)}
 
 
+def _shape_and_rules(cfg: Any) -> tuple[logged.RunShape, tuple[Any, ...]]:
+    """The run's shape and its guard's active rules (none unless the trainer is monitored), the rules read once."""
+    rules = _active_rules(cfg) if logged.RunShape.from_config(cfg).monitored else ()
+    return logged.RunShape.from_config(cfg, rules=((r.name, r.action) for r in rules)), rules
+
+
 def run_shape(cfg: Any) -> logged.RunShape:
     """The :class:`~verl_stable.monitor.logged.RunShape` of a composed config, with its guard's active rules."""
-    shape = logged.RunShape.from_config(cfg)
-    if not shape.monitored:
-        return shape
-    from dataclasses import replace
-
-    return replace(shape, rules=tuple((r.name, r.action) for r in _active_rules(cfg)))
+    return _shape_and_rules(cfg)[0]
 
 
 # ------------------------------------------------------------------------------------------------------ class 1
@@ -143,11 +144,9 @@ def rule_metric_problems(cfg: Any) -> list[str]:
     verl's own that the catalogue does not list (verl logs many) needs ``optional: true``: whether verl logs it
     cannot be told from the config.
     """
-    shape = run_shape(cfg)
-    if not shape.rules:
-        return []
+    shape, rules = _shape_and_rules(cfg)
     problems = []
-    for rule in _active_rules(cfg):
+    for rule in rules:
         where = f"{RULES_KEY}.{rule.name}"
         refused = False
         for name in rule.metrics:
@@ -181,7 +180,7 @@ def rule_option_problems(cfg: Any) -> list[str]:
     actions this trainer cannot carry out."""
     from verl_stable.integration import escalation
 
-    rules = _active_rules(cfg) if logged.RunShape.from_config(cfg).monitored else ()
+    rules = _shape_and_rules(cfg)[1]
     given = _given_rules(cfg)
     problems = []
     for rule in rules:
