@@ -167,7 +167,8 @@ PATCHES: tuple[Patch, ...] = (
         "object",
         "verl_stable.integration.megatron_audit",
         "verl's Megatron replay discards the router's own top-k; the router disagreement (the mismatch replay hides) "
-        "needs it, so during a measured pass each router's replay object also runs verl's routing function once more",
+        "needs it, so during a measured pass each router's replay object hands verl a default_compute_topk that keeps "
+        "the ids verl computes for its replay mask (R3), or runs it once itself where verl does not (R2 updates)",
         "verl's RouterReplay keeps the native top-k it replaces (or megatron-core's replay does)",
         requires="megatron-core",
     ),

@@ -148,8 +148,9 @@ OVERRIDES: tuple[Override, ...] = (
         "get_replay_topk",
         ("self", "scores", "topk", "num_groups", "group_topk", "default_compute_topk"),
         "verl_stable.integration.megatron_audit.NativeChoiceTap",
-        "shadowed per instance during a measured pass (patch megatron_router_native_choice): runs verl's routing "
-        "function once more to record the router's own top-k, then calls verl's method",
+        "shadowed per instance during a measured pass (patch megatron_router_native_choice): calls verl's method "
+        "with a default_compute_topk that keeps the router's own top-k verl computes for its replay mask (or runs it "
+        "once where verl does not)",
         "verl's RouterReplay keeps the native top-k it replaces",
         requires="megatron-core",
     ),

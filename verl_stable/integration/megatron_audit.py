@@ -1,12 +1,17 @@
 """What one measured Megatron replay pass records: per-micro-batch count vectors and the router taps that fill them.
 
 :class:`~verl_stable.integration.megatron_replay.MegatronReplayMetricsMixin` opens an :class:`Audit` for each
-``forward_backward_batch`` it measures. Each replaying router gets a forward hook (:func:`router_hook`) that adds its
-counts to the vector of the micro-batch being forwarded, and a :class:`NativeChoiceTap` that keeps the router's own
-top-k choice of the same call (verl's replay discards it). Layout of a count vector (int64): per MoE layer
-``[replayed, differ, with data, own choice differs]`` (:data:`PER_LAYER` entries), then the coverage counts in the
-order of :data:`~verl_stable.metric_names.COVERAGE_COUNTS`, then three counters (router calls measured, calls without
-a row map, calls whose row map did not fit).
+``forward_backward_batch`` it measures. Each replaying router gets a forward hook (:func:`router_hook`) that keeps
+references to what the call routed (its ``routing_map``, verl's targets and replay mask), and a
+:class:`NativeChoiceTap` that keeps the router's own top-k choice of the same call (verl's replay discards it). When
+the micro-batch's forward is done, :meth:`Audit.flush` counts every MoE layer of it at once
+(:func:`~verl_stable.routing.replay_audit.layer_counts`): the per-call work is a list append, and the counting a
+fixed number of tensor operations per micro-batch instead of per router call -- on a model with few tokens per
+micro-batch the operations' launch cost, not their arithmetic, is what the metrics cost.
+
+Layout of a count vector (int64): per MoE layer ``[replayed, differ, with data, own choice differs]``
+(:data:`PER_LAYER` entries), then the coverage counts in the order of :data:`~verl_stable.metric_names.COVERAGE_COUNTS`,
+then three counters (router calls measured, calls without a row map, calls whose row map did not fit).
 """
 
 from __future__ import annotations
@@ -18,8 +23,7 @@ from typing import Any
 import torch
 
 from verl_stable.metric_names import COVERAGE_COUNTS
-from verl_stable.routing.disagreement import expert_sets_differ
-from verl_stable.routing.replay_audit import coverage_row_counts, rows_with_data, used_vs_target
+from verl_stable.routing.replay_audit import coverage_row_counts, layer_counts
 
 __all__ = ["COVERAGE_WIDTH", "EXTRA", "PER_LAYER", "Audit", "NativeChoiceTap", "router_hook"]
 
@@ -40,9 +44,14 @@ class Audit:
         counts: micro-batch slot -> count vector (int64).
         calls: model chunk (``id``) -> ``forward_step`` calls so far: the slot of a chunk's next micro-batch.
         slot: the micro-batch being forwarded.
-        rows: its token class per router input row (``None``: unknown, no coverage).
+        rows: the token class per router input row of the micro-batch being forwarded, computed when it is
+            counted (a zero-argument callable returning ``[rows]`` or ``None``: unknown, no coverage); it may read
+            ``packed``.
+        packed: verl's ``PackedSeqParams`` of the micro-batch being forwarded (the model chunk's pre-hook).
         handles: the router hooks and wrapped replay objects, removed at the end of the pass.
         native: ``id(RouterReplay)`` -> the top-k ids its router chose itself in the call being replayed.
+        pending: the current micro-batch's replayed router calls, counted by :meth:`flush`: ``(MoE-layer ordinal,
+            routing map, target ids or None, replay mask or None, the router's own ids or None)``.
     """
 
     ordinals: dict[int, int]
@@ -50,27 +59,72 @@ class Audit:
     counts: dict[int, torch.Tensor] = field(default_factory=dict)
     calls: dict[int, int] = field(default_factory=dict)
     slot: int = 0
-    rows: torch.Tensor | None = None
+    rows: Callable[[], torch.Tensor | None] | None = None
+    packed: Any = None
     handles: list[Any] = field(default_factory=list)
     native: dict[int, torch.Tensor] = field(default_factory=dict)
+    pending: list[tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]] = field(
+        default_factory=list
+    )
 
     @property
     def width(self) -> int:
         return PER_LAYER * len(self.ordinals) + COVERAGE_WIDTH + EXTRA
 
-    def begin(self, chunk: Any, rows: torch.Tensor | None) -> None:
-        """The next micro-batch of ``chunk`` is about to be forwarded, its router rows classified as ``rows``."""
+    def begin(self, chunk: Any, rows: Callable[[], torch.Tensor | None] | None) -> None:
+        """The next micro-batch of ``chunk`` is about to be forwarded, its router rows classified by ``rows()``."""
+        self.flush()
         self.slot = self.calls.get(id(chunk), 0)
         self.calls[id(chunk)] = self.slot + 1
-        self.rows = rows
+        self.rows, self.packed = rows, None
 
     def vector(self) -> torch.Tensor:
         if self.slot not in self.counts:
             self.counts[self.slot] = torch.zeros(self.width, dtype=torch.long, device=self.device)
         return self.counts[self.slot]
 
+    def flush(self) -> None:
+        """Count the router calls of the micro-batch forwarded since :meth:`begin` into its vector, the MoE layers
+        that saw the same rows in one :func:`~verl_stable.routing.replay_audit.layer_counts` (a call without
+        targets, where verl fell back to the router's own choice, counts as measured and not covered)."""
+        pending, self.pending = self.pending, []
+        if not pending:
+            return
+        vector = self.vector()
+        vector[-3] += len(pending)
+        covered: list[torch.Tensor] = []  # per call, in order
+        groups: dict[int, list[int]] = {}  # rows -> the calls with targets that saw that many rows
+        for i, (_, routing_map, target, _, _) in enumerate(pending):
+            covered.append(torch.zeros(routing_map.shape[0], dtype=torch.bool, device=self.device))
+            if target is not None:
+                groups.setdefault(routing_map.shape[0], []).append(i)
+        per_layer = vector[: PER_LAYER * len(self.ordinals)].view(-1, PER_LAYER)
+        for calls in groups.values():
+            chosen = [pending[i] for i in calls]
+            targets = torch.stack([c[2].to(self.device) for c in chosen])
+            masks, natives = [c[3] for c in chosen], [c[4] for c in chosen]
+            counts, group_covered = layer_counts(
+                torch.stack([c[1] for c in chosen]),
+                targets,
+                None if any(m is None for m in masks) else torch.stack([m.to(self.device) for m in masks]),
+                None if any(n is None or n.shape != targets.shape[1:] for n in natives) else torch.stack(natives),
+            )
+            per_layer.index_add_(0, torch.tensor([c[0] for c in chosen], device=self.device), counts)
+            for i, row in zip(calls, group_covered, strict=True):
+                covered[i] = row
+        rows = self.rows() if self.rows is not None else None
+        if rows is None:
+            vector[-2] += len(pending)
+            return
+        fitting = [c for c in covered if c.shape[0] == rows.shape[0]]
+        vector[-1] += len(covered) - len(fitting)
+        if fitting:
+            start = PER_LAYER * len(self.ordinals)
+            vector[start : start + COVERAGE_WIDTH] += coverage_row_counts(rows, torch.stack(fitting))
+
     def table(self) -> torch.Tensor:
         """``[micro-batches, width]``: every slot any chunk forwarded, zeros where this rank measured nothing."""
+        self.flush()
         slots = max(self.calls.values(), default=0)
         table = torch.zeros(slots, self.width, dtype=torch.long, device=self.device)
         for slot, vector in self.counts.items():
@@ -82,9 +136,12 @@ class NativeChoiceTap:
     """Records the router's own top-k choice in each replayed forward of one verl ``RouterReplay`` (until removed).
 
     verl's ``RouterReplay.get_replay_topk(scores, topk, ..., default_compute_topk)`` returns the replayed ids in
-    place of what ``default_compute_topk`` (verl's routing function on the same scores) would choose; the tap runs
-    that function once more, without gradient, and keeps its ids in ``native[id(replay)]`` for the router's forward
-    hook. The instance attribute it sets shadows verl's method on this one object only; :meth:`remove` deletes it.
+    place of what ``default_compute_topk`` (verl's routing function on the same scores) would choose. Under a replay
+    mask (R3: verl keeps each sequence's final row native) verl computes that choice itself; the tap passes verl a
+    ``default_compute_topk`` that keeps the ids it returns, so the choice is read, not computed again. Without a mask
+    (R2's update passes) verl never computes it, and the tap runs the function once, without gradient. The ids land
+    in ``native[id(replay)]`` for the router's forward hook. The instance attribute the tap sets shadows verl's method
+    on this one object only; :meth:`remove` deletes it.
     """
 
     def __init__(self, replay: Any, native: dict[int, torch.Tensor]) -> None:
@@ -95,16 +152,32 @@ class NativeChoiceTap:
 
         def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
             if (
-                replay.router_replay_action == RouterReplayAction.REPLAY_FORWARD
-                and replay.target_topk_idx is not None
-                and default_compute_topk is not None
+                replay.router_replay_action != RouterReplayAction.REPLAY_FORWARD
+                or replay.target_topk_idx is None
+                or default_compute_topk is None
             ):
-                with torch.no_grad():
-                    _, ids = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-                native[id(replay)] = ids
-            return original(
-                scores, topk, num_groups=num_groups, group_topk=group_topk, default_compute_topk=default_compute_topk
+                return original(
+                    scores,
+                    topk,
+                    num_groups=num_groups,
+                    group_topk=group_topk,
+                    default_compute_topk=default_compute_topk,
+                )
+            seen: list[torch.Tensor] = []
+
+            def compute_topk(*args: Any, **kwargs: Any) -> Any:
+                probs, ids = default_compute_topk(*args, **kwargs)
+                seen.append(ids)
+                return probs, ids
+
+            result = original(
+                scores, topk, num_groups=num_groups, group_topk=group_topk, default_compute_topk=compute_topk
             )
+            if not seen:  # no replay mask: verl did not compute the router's own choice
+                with torch.no_grad():
+                    seen.append(default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)[1])
+            native[id(replay)] = seen[-1]
+            return result
 
         # patch: megatron_router_native_choice (verl_stable.compat.catalogue)
         replay.get_replay_topk = get_replay_topk
@@ -114,47 +187,18 @@ class NativeChoiceTap:
 
 
 def router_hook(audit: Audit) -> Callable[..., None]:
-    """The forward hook of one replaying router, counting into ``audit``.
-
-    In each replayed forward (not the backward's recomputation) it adds the router's used experts against verl's
-    targets, its own choice against them, and the coverage of its rows to the count vector of the micro-batch being
-    forwarded (the layout of the module docstring).
-    """
+    """The forward hook of one replaying router: in each replayed forward (not the backward's recomputation) it keeps
+    what :meth:`Audit.flush` counts when the micro-batch's forward is done -- the router's ``routing_map``, verl's
+    targets and replay mask, and the router's own choice from its :class:`NativeChoiceTap`."""
     from verl.utils.megatron.router_replay_patch import RouterReplayAction
 
     def hook(router: Any, args: Any, output: Any) -> None:
         replay = router.router_replay
         if replay.router_replay_action != RouterReplayAction.REPLAY_FORWARD:
             return  # recording (R2 pi_old) or the backward's recomputation: counted once, in the forward
-        routing_map = output[1]
-        rows = routing_map.shape[0]
-        vector = audit.vector()
-        vector[-3] += 1
-        mask = replay.target_replay_mask
         native = audit.native.pop(id(replay), None)
-        with torch.no_grad():
-            if replay.target_topk_idx is None:  # verl falls back to the router's own choice
-                covered = torch.zeros(rows, dtype=torch.bool, device=routing_map.device)
-            else:
-                target = replay.target_topk_idx.to(routing_map.device)
-                replayed, differ = used_vs_target(routing_map, target, mask)
-                base = PER_LAYER * audit.ordinals[router.layer_number]
-                vector[base] += replayed
-                vector[base + 1] += differ
-                # a replayed zero row (a token the rollout did not route) forced expert 0: not covered
-                covered = rows_with_data(target)
-                if mask is not None:
-                    covered &= mask.to(routing_map.device).bool()
-                if native is not None and native.shape == target.shape:
-                    own_differs = expert_sets_differ(native.to(torch.long), target.to(torch.long)) & covered
-                    vector[base + 2] += covered.sum()
-                    vector[base + 3] += own_differs.sum()
-            if audit.rows is None:
-                vector[-2] += 1
-            elif audit.rows.shape[0] != rows:
-                vector[-1] += 1
-            else:
-                start = PER_LAYER * len(audit.ordinals)
-                vector[start : start + COVERAGE_WIDTH] += coverage_row_counts(audit.rows, covered)
+        audit.pending.append(
+            (audit.ordinals[router.layer_number], output[1], replay.target_topk_idx, replay.target_replay_mask, native)
+        )
 
     return hook

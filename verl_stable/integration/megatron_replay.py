@@ -21,8 +21,9 @@ Metrics, per micro-batch, under the names the FSDP replay engine uses where the 
   the replay is hiding (rollout vs training in R3, policy drift since pi_old in R2). Under R2 (update passes) also
   ``stable/routing/r2_drift`` and ``r2_drift/layer_<i>``, as on FSDP. The router's own choice is read where verl
   computes it: each router's ``RouterReplay.get_replay_topk`` is wrapped for the pass (an object-scoped patch of
-  the engine's own routers, removed at the end of it) to run verl's ``default_compute_topk`` on the scores once more,
-  without gradient, before the replayed ids replace it.
+  the engine's own routers, removed at the end of it) to keep the ids verl's ``default_compute_topk`` returns for
+  its R3 replay mask, or to run it once, without gradient, where verl does not (R2's update passes)
+  (:class:`~verl_stable.integration.megatron_audit.NativeChoiceTap`).
 * ``stable/routing/compared_rows`` = ``replayed_rows``: the replayed (row, MoE layer) decisions.
 * ``stable/routing/transport/<count>`` for :data:`~verl_stable.transport.side_rows.SIDE_READ_COUNTS` and
   ``side_reads_per_rank`` (batches carrying the compact transport): the rank's TransferQueue reads of shared prompt
@@ -137,6 +138,7 @@ class MegatronReplayMetricsMixin:
         self._audit_warned: set[str] = set()
         self._compact_layout: Any = None  # the model's RoutingLayout, read from its config on the first compact batch
         self._prompt_rows = SharedRowReader()
+        self._routers: list[Any] | None = None  # the replaying routers, found on the first measured pass
 
     # ------------------------------------------------------------------------------------------- passes
     def _expand_compact(self, data: TensorDict, forward_only: bool) -> tuple[TensorDict, dict[str, int] | None]:
@@ -183,7 +185,9 @@ class MegatronReplayMetricsMixin:
             return super().forward_step(batch_iter, model, logits_processor_func, postprocess_micro_batch_func)
         batch = next(batch_iter)  # read here for its token classes; verl's forward_step gets it back, unchanged
         audit.begin(model, self._router_rows(batch))
-        return super().forward_step(iter([batch]), model, logits_processor_func, postprocess_micro_batch_func)
+        result = super().forward_step(iter([batch]), model, logits_processor_func, postprocess_micro_batch_func)
+        audit.flush()  # the routers of this micro-batch have run: counted now, their references dropped
+        return result
 
     def postprocess_micro_batch_func(self, *args: Any, **kwargs: Any) -> Any:
         result = super().postprocess_micro_batch_func(*args, **kwargs)
@@ -211,36 +215,103 @@ class MegatronReplayMetricsMixin:
         moe_layers = [i for i in range(self.tf_config.num_layers) if is_moe_layer(self.tf_config, i)]
         return {layer + 1: ordinal for ordinal, layer in enumerate(moe_layers)}
 
+    def _replaying_routers(self) -> list[Any]:
+        """Every replay-enabled router of the decoder (every model chunk of this rank), found once: the modules do not
+        change after the engine is built, and walking them every pass costs as much as counting a micro-batch."""
+        if self._routers is None:
+            from megatron.core.transformer.moe.router import TopKRouter
+            from verl.utils.megatron_utils import unwrap_model
+
+            self._routers = [
+                router
+                for chunk in unwrap_model(self.module)
+                # the decoder's routers only: MTP layers restart their numbering (verl's replay skips them too)
+                for router in getattr(chunk, "decoder", chunk).modules()
+                if isinstance(router, TopKRouter) and getattr(router, "router_replay", None) is not None
+            ]
+        return self._routers
+
     def _attach_hooks(self, audit: Audit) -> None:
-        """A measuring hook on every replay-enabled router of the decoder (every model chunk of this rank)."""
-        from megatron.core.transformer.moe.router import TopKRouter
+        """A measuring hook and a native-choice tap on every replaying router, for one pass."""
         from verl.utils.megatron_utils import unwrap_model
 
         for chunk in unwrap_model(self.module):
-            # the decoder's routers only: MTP layers restart their numbering (verl's replay skips them too)
-            for router in getattr(chunk, "decoder", chunk).modules():
-                if isinstance(router, TopKRouter) and getattr(router, "router_replay", None) is not None:
-                    audit.handles.append(router.register_forward_hook(router_hook(audit)))
-                    audit.handles.append(NativeChoiceTap(router.router_replay, audit.native))
+            audit.handles.append(chunk.register_forward_pre_hook(self._capture_packing(audit), with_kwargs=True))
+        for router in self._replaying_routers():
+            audit.handles.append(router.register_forward_hook(router_hook(audit)))
+            audit.handles.append(NativeChoiceTap(router.router_replay, audit.native))
 
-    def _router_rows(self, batch: TensorDict) -> torch.Tensor | None:
-        """The token class of each row the routers see for ``batch``, packed and split the way verl packs targets.
+    def _router_rows(self, batch: TensorDict) -> Callable[[], torch.Tensor | None] | None:
+        """The token class of each row the routers see for ``batch``, as a callable the audit runs when it counts the
+        micro-batch (``None`` when the batch has no response layout: then no coverage is counted).
 
-        ``None`` when the batch has no response layout (then no coverage is counted).
+        The rows are the packed, sequence-parallel-split layout verl packs the replay targets into. Without context
+        parallelism (and fp8 padding, or DeepSeek-V4's local-row minimum) that layout is Megatron's THD buffer as the
+        forward's ``PackedSeqParams`` describe it: sequence ``i``'s tokens at ``cu_seqlens_q_padded[i]`` onwards, pad
+        rows after them. It is read from the parameters verl passed the model (:meth:`_capture_packing`) in a few
+        tensor operations; otherwise, or when those parameters do not describe this batch, the classes are packed by
+        verl's own ``preprocess_thd_engine`` with the arguments its ``set_router_replay_data`` uses (a loop over the
+        sequences: as costly as the rest of the metrics together on a small model).
         """
         input_ids = batch["input_ids"]
         if not getattr(input_ids, "is_nested", False):
             return None
-        offsets = input_ids.offsets()
+        offsets = input_ids.offsets().cpu()
         roles = token_roles(batch, offsets)
         if roles is None:
             return None
+        classes = token_classes(offsets, *(flag.cpu() for flag in roles))
+        local_cp_size = tu.get_non_tensor_data(data=batch, key="local_cp_size", default=None)
+
+        def rows() -> torch.Tensor | None:
+            audit = self._replay_audit
+            packed = None if audit is None or local_cp_size is not None else audit.packed
+            found = self._rows_from_packing(classes, offsets, packed)
+            return found if found is not None else self._rows_by_verl(classes, offsets, local_cp_size)
+
+        return rows
+
+    def _capture_packing(self, audit: Audit) -> Callable[..., None]:
+        """A forward pre-hook for a model chunk: keeps the ``packed_seq_params`` verl passes it in ``audit``."""
+
+        def hook(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+            audit.packed = kwargs.get("packed_seq_params")
+
+        return hook
+
+    def _rows_from_packing(self, classes: torch.Tensor, offsets: torch.Tensor, packed: Any) -> torch.Tensor | None:
+        """The router rows' classes from the forward's THD packing, or ``None`` where that layout does not apply."""
+        from megatron.core import parallel_state as mpu
+        from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+        config = self.tf_config
+        padded = getattr(packed, "cu_seqlens_q_padded", None)
+        if (
+            padded is None
+            or mpu.get_context_parallel_world_size() > 1
+            or config.fp8 in ("e4m3", "hybrid")
+            or getattr(config, "experimental_attention_variant", None) == "dsv4_hybrid"
+        ):
+            return None
+        padded = padded.to("cpu", torch.long)
+        lengths = offsets.diff()
+        if padded.shape != offsets.shape or bool(((padded.diff() - lengths) < 0).any()):
+            return None  # not this batch's sequences
+        sequence = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+        position = torch.arange(int(offsets[-1])) - offsets[:-1][sequence]
+        rows = torch.zeros(int(padded[-1]), dtype=torch.long)  # ROW_PADDING
+        rows[padded[:-1][sequence] + position] = classes
+        device = next(self.module[0].parameters()).device
+        with torch.no_grad():
+            return scatter_to_sequence_parallel_region(rows.to(device))
+
+    def _rows_by_verl(self, classes: torch.Tensor, offsets: torch.Tensor, local_cp_size: int | None) -> torch.Tensor:
+        """The router rows' classes packed by verl's ``preprocess_thd_engine``, as verl packs the replay targets."""
         from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
         from verl.models.mcore.util import preprocess_thd_engine
 
         device = next(self.module[0].parameters()).device
-        classes = token_classes(offsets.cpu(), *(flag.cpu() for flag in roles)).to(device)
-        nested = torch.nested.nested_tensor_from_jagged(classes, offsets=offsets.to(device))
+        nested = torch.nested.nested_tensor_from_jagged(classes.to(device), offsets=offsets.to(device))
         config = self.tf_config
         dsv4 = getattr(config, "experimental_attention_variant", None) == "dsv4_hybrid"
         with torch.no_grad():
@@ -250,7 +321,7 @@ class MegatronReplayMetricsMixin:
                 pre_process=True,
                 use_fp8_padding=config.fp8 in ("e4m3", "hybrid"),
                 min_local_rows=config.csa_window_size if dsv4 else None,
-                local_cp_size=tu.get_non_tensor_data(data=batch, key="local_cp_size", default=None),
+                local_cp_size=local_cp_size,
                 cp_layout="contiguous" if dsv4 else "zigzag",
             )
             rows = scatter_to_sequence_parallel_region(packed.reshape(-1))

@@ -14,6 +14,7 @@ replay coverage (the classes of :mod:`verl_stable.routing.replay_pass`):
 * :func:`coverage_row_counts`: one router call's rows by class, and how many of each class were replayed, in the
   order of :data:`~verl_stable.metric_names.COVERAGE_COUNTS` (summed over the MoE layers they give (token, layer)
   rows);
+* :func:`layer_counts`: the first two and the router's own choice for all MoE layers of a micro-batch at once;
 * :func:`disagreement_metrics`: the disagreement per MoE layer, its maximum and the overall fraction from counts.
 
 Counts stay tensors on the router's device (no host synchronisation per router call); the caller sums them over
@@ -128,7 +129,8 @@ def coverage_row_counts(row_classes: torch.Tensor, replayed: torch.Tensor | None
 
     Args:
         row_classes: ``[rows]`` class codes (``ROW_*``), one per row the router saw.
-        replayed: ``[rows]`` bool, rows that took the replayed routing; ``None``: every row.
+        replayed: ``[rows]`` bool, rows that took the replayed routing, or ``[layers, rows]`` for several router
+            calls on the same rows (their counts summed); ``None``: every row.
 
     Returns:
         ``[6]`` int64 on ``row_classes``' device: response rows, replayed response rows, prompt rows, replayed prompt
@@ -141,12 +143,12 @@ def coverage_row_counts(row_classes: torch.Tensor, replayed: torch.Tensor | None
     if replayed is None:
         flags = torch.ones_like(codes)
     else:
-        if replayed.shape != codes.shape:
+        if replayed.dim() not in (1, 2) or replayed.shape[-1:] != codes.shape:
             raise ValueError(f"replayed flags {tuple(replayed.shape)} are not one per row {tuple(codes.shape)}")
         flags = replayed.to(codes.device).to(torch.long)
     # one count over class * 2 + replayed; scatter_add into a fixed size, where bincount would read the maximum back
     # to the host (a synchronisation per router call on an accelerator)
-    index = codes * 2 + flags
+    index = (codes * 2 + flags).reshape(-1)
     table = torch.zeros(2 * NUM_ROW_CLASSES, dtype=torch.long, device=codes.device)
     table = table.scatter_add_(0, index, torch.ones_like(index)).reshape(NUM_ROW_CLASSES, 2)
     total = table.sum(dim=1)
@@ -162,6 +164,65 @@ def coverage_row_counts(row_classes: torch.Tensor, replayed: torch.Tensor | None
     )
     assert counts.numel() == len(COVERAGE_COUNTS)
     return counts
+
+
+def layer_counts(
+    routing_maps: torch.Tensor,
+    target_ids: torch.Tensor,
+    replay_masks: torch.Tensor | None = None,
+    native_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router calls of several MoE layers on the same rows (one micro-batch), counted in one batched pass.
+
+    Per layer ``l`` it equals, in a handful of tensor operations for all layers together (a per-layer loop costs
+    the same few operations once per MoE layer, which is what the metrics cost on a small model):
+
+    * ``replayed, differ = used_vs_target(routing_maps[l], target_ids[l], replay_masks[l])``;
+    * ``covered = rows_with_data(target_ids[l]) & replay_masks[l]`` (the rows replayed from a real routing);
+    * ``with_data = covered.sum()`` and ``own = (expert_sets_differ(native_ids[l], target_ids[l]) & covered).sum()``:
+      how often the router's own choice differs from the replayed one, where that choice is known (``native_ids``;
+      without it both are 0).
+
+    Args:
+        routing_maps: ``[layers, rows, experts]`` bool, the experts each row was dispatched to.
+        target_ids: ``[layers, rows, top_k]`` integer ids the replay was told to use.
+        replay_masks: ``[layers, rows]`` bool, the rows that were to be replayed; ``None``: every row.
+        native_ids: ``[layers, rows, top_k]`` integer ids the routers chose themselves; ``None``: unknown.
+
+    Returns:
+        ``(counts, covered)``: ``[layers, 4]`` int64 ``[replayed, differ, with_data, own]`` and ``[layers, rows]``
+        bool ``covered``, on ``routing_maps``' device.
+
+    Raises:
+        ValueError: If the shapes do not describe the same layers and rows.
+    """
+    if routing_maps.dim() != 3 or target_ids.dim() != 3 or target_ids.shape[:2] != routing_maps.shape[:2]:
+        raise ValueError(
+            f"routing maps {tuple(routing_maps.shape)} and targets {tuple(target_ids.shape)} are not the same "
+            "[layers, rows]"
+        )
+    if replay_masks is not None and replay_masks.shape != routing_maps.shape[:2]:
+        raise ValueError(f"replay masks {tuple(replay_masks.shape)} are not [layers, rows] {routing_maps.shape[:2]}")
+    if native_ids is not None and native_ids.shape != target_ids.shape:
+        raise ValueError(f"native ids {tuple(native_ids.shape)} are not shaped as the targets {target_ids.shape}")
+    used = routing_maps.bool()
+    device = used.device
+    targets = target_ids.to(device=device, dtype=torch.long)
+    mask = torch.ones(used.shape[:2], dtype=torch.bool, device=device) if replay_masks is None else replay_masks
+    mask = mask.to(device).bool()
+    differ = (used != torch.zeros_like(used).scatter_(2, targets, True)).any(dim=-1) & mask
+    ordered = targets.sort(dim=-1).values
+    if targets.shape[-1] < 2:  # top-1: a zero row cannot be told from a choice of expert 0 (rows_with_data)
+        covered = mask
+    else:
+        covered = (ordered[..., 1:] != ordered[..., :-1]).all(dim=-1) & mask
+    if native_ids is None:
+        with_data = own = torch.zeros_like(covered)
+    else:
+        native = native_ids.to(device=device, dtype=torch.long).sort(dim=-1).values
+        with_data, own = covered, (native != ordered).any(dim=-1) & covered
+    counts = torch.stack([mask, differ, with_data, own], dim=-1).sum(dim=1)
+    return counts, covered
 
 
 def disagreement_metrics(replayed: Sequence[float], differ: Sequence[float]) -> dict[str, float]:
