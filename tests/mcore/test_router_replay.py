@@ -21,10 +21,8 @@ experts, others native). At world size 1 in the test process and at expert paral
 
 from __future__ import annotations
 
-import contextlib
 import tempfile
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -33,52 +31,10 @@ from testkit import megatron as tm
 from testkit.spawn import report, spawn_and_collect
 
 from verl_stable.cpu.megatron.runtime import megatron_cpu_runtime
-
-_MISSING = object()
+from verl_stable.integration.megatron_replay_patch import verl_router_replay_patch
 
 
 # ================================================================================================== shared helpers
-@contextlib.contextmanager
-def verl_router_replay_patch() -> Iterator[type]:
-    """verl's ``apply_router_replay_patch()`` for the block (it has no undo): megatron's classes restored after.
-
-    Yields:
-        verl's ``RouterReplay`` class.
-    """
-    from megatron.core.transformer.moe.router import TopKRouter
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    from verl.utils.megatron import router_replay_patch as verl_patch
-
-    saved = [
-        (cls, name, vars(cls).get(name, _MISSING))
-        for cls, names in (
-            (TopKRouter, ("__init__", "routing", "_router_replay_patched")),
-            (TransformerConfig, ("__init__", "_verl_router_patched")),
-            (MoEAlltoAllTokenDispatcher, ("preprocess", "_preprocess_patched")),
-        )
-        for name in names
-    ]
-    config_init = TransformerConfig.__init__
-    signature = vars(config_init).get("__signature__", _MISSING)  # verl sets it on the original function
-    with contextlib.redirect_stdout(None):  # "Applying Router Replay Patch..."
-        verl_patch.apply_router_replay_patch()
-    try:
-        yield verl_patch.RouterReplay
-    finally:
-        for cls, name, value in saved:
-            if value is _MISSING:
-                if name in vars(cls):
-                    delattr(cls, name)
-            else:
-                setattr(cls, name, value)
-        if signature is _MISSING:
-            vars(config_init).pop("__signature__", None)
-        else:
-            config_init.__signature__ = signature
-        verl_patch.RouterReplay.router_instances.clear()
-
-
 def replay_config(ep: int = 1):
     """The tiny model with routing replay enabled and every layer recomputed in the backward."""
     return tm.tiny_config(

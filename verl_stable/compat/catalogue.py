@@ -173,6 +173,18 @@ PATCHES: tuple[Patch, ...] = (
         requires="megatron-core",
     ),
     Patch(
+        "megatron_router_replay_block",
+        "megatron.core.transformer.moe.router.TopKRouter.routing",
+        "process",
+        "verl_stable.integration.megatron_replay_patch",
+        "verl's Megatron router replay is its apply_router_replay_patch, which replaces TopKRouter.__init__ / routing, "
+        "TransformerConfig.__init__ and the alltoall dispatcher's preprocess for the rest of the process, with no undo; "
+        "the probe's Megatron training side (and the router-replay tests) build verl's Megatron model outside verl's "
+        "engine and need the replay for a block only: verl's function is applied and megatron-core's classes restored",
+        "verl's router replay patch can be undone, or verl replays through megatron-core's own routing replay",
+        requires="megatron-core",
+    ),
+    Patch(
         "dispatch_order_sample",
         "verl.trainer.ppo.v1.replay_buffer.ReplayBuffer.sample (the trainer's instance)",
         "object",

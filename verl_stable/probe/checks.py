@@ -11,6 +11,9 @@ The model (:func:`classify_model`) is one of:
 * refused: a config that declares routed experts in a family the project cannot replay (R3 could not be run on it,
   so the probe cannot measure what it would change), or a ``config.json`` that cannot be read.
 
+The training engine (:func:`check_train_engine`): ``fsdp`` always; ``megatron`` where megatron-core and mbridge
+import and the model type has a local-spec Megatron bridge on CPU (:mod:`verl_stable.cpu.megatron.bridge`).
+
 The engines (:func:`check_engine`): ``hf`` (the project's rollout backend, :data:`HF_PRECISIONS`, routed experts
 exported for every supported family) and ``vllm`` (fp32 / bf16 on vLLM's CPU build; also fp16 and fp8 -- vLLM's
 dynamic fp8 quantisation -- on a GPU build), whose routed-experts export (``enable_return_routed_experts``) is
@@ -32,17 +35,23 @@ from verl_stable.backends.hf.precision import PRECISIONS as HF_PRECISIONS
 __all__ = [
     "ENGINES",
     "HF_PRECISIONS",
+    "TRAIN_ENGINES",
     "VLLM_CPU_PRECISIONS",
     "VLLM_GPU_PRECISIONS",
     "ModelVerdict",
     "ProbeInputError",
     "check_engine",
+    "check_train_engine",
     "classify_model",
     "engine_precisions",
     "vllm_exports_routing",
 ]
 
 ENGINES = ("hf", "vllm")
+TRAIN_ENGINES = ("fsdp", "megatron")
+"""``--train-engine``: the forward of verl's FSDP actor (the HF model) or of its Megatron actor (mbridge + megatron-core)."""
+# what verl's Megatron actor is built from (the vanilla_mbridge path): imported by the check, not only looked up
+_MEGATRON_MODULES = ("megatron.core", "mbridge", "verl.models.mcore.mbridge")
 VLLM_CPU_PRECISIONS = ("fp32", "bf16")
 """What vLLM's CPU build serves (verl's ``rollout.dtype``)."""
 VLLM_GPU_PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
@@ -187,3 +196,42 @@ def check_engine(engine: str, precision: str, needs_routing: bool) -> None:
             f"--engine {engine}: this engine does not export the routed experts of what it samples "
             "(vLLM >= 0.24: enable_return_routed_experts), so routing flips and R3 cannot be measured; use --engine hf"
         )
+
+
+def check_train_engine(engine: str, model_type: str) -> None:
+    """Refuse a training engine the probe cannot run here, before anything is loaded.
+
+    Args:
+        engine: a key of :data:`TRAIN_ENGINES`.
+        model_type: the checkpoint's ``model_type``.
+
+    Raises:
+        ProbeInputError: an unknown engine; for ``megatron``, megatron-core / mbridge / verl's mbridge path not
+            importable, or a model type without a local-spec Megatron bridge.
+    """
+    if engine not in TRAIN_ENGINES:
+        raise ProbeInputError(f"--train-engine {engine!r}: expected one of {', '.join(TRAIN_ENGINES)}")
+    if engine == "fsdp":
+        return
+    from verl_stable.cpu.megatron.bridge import LOCAL_SPEC_MODEL_TYPES
+
+    if model_type not in LOCAL_SPEC_MODEL_TYPES:
+        raise ProbeInputError(
+            f"--train-engine megatron: model_type {model_type!r} has no local-spec Megatron bridge on CPU (the probe "
+            f"builds verl's Megatron model for {', '.join(LOCAL_SPEC_MODEL_TYPES)}); use --train-engine fsdp"
+        )
+    import importlib
+    import warnings
+
+    for module in _MEGATRON_MODULES:
+        try:
+            with warnings.catch_warnings():
+                # megatron-core announces that it falls back from Transformer Engine / apex to torch
+                warnings.simplefilter("ignore")
+                importlib.import_module(module)
+        except Exception as exc:  # noqa: BLE001 - a broken install fails in many ways; the answer is one line
+            why = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+            raise ProbeInputError(
+                f"--train-engine megatron: {module} is not importable ({why}); install megatron-core and mbridge "
+                "(verl's Megatron extra), or use --train-engine fsdp"
+            ) from None

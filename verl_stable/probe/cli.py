@@ -4,6 +4,7 @@ before a run.
     verl-stable probe --model /ckpt/Qwen3-30B-A3B --engine vllm --rollout-precision fp8 --train-dtype bf16 \\
         --data train.parquet --samples 64 --max-tokens 256 --out ./probe
     verl-stable probe --toy --rollout-precision int4 --train-dtype fp32     # the lab's tiny MoE, built here
+    verl-stable probe --toy --rollout-precision int4 --train-dtype fp32 --train-engine megatron  # verl's Megatron actor
 
 Writes ``probe.md``, ``probe.json`` and ``probe.png`` into ``--out`` and prints the answer (docs/probe.md). Exit codes:
 0 the report was written; 2 a bad input, answered in one line before anything is loaded (a dense model is no bad
@@ -53,7 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--train-dtype",
         choices=("fp32", "bf16"),
         default="bf16",
-        help="the actor's actor.fsdp_config.mixed_precision.param_dtype (verl's default: bf16)",
+        help="the actor's parameter dtype: fsdp_config.mixed_precision.param_dtype, or megatron.dtype (verl: bf16)",
+    )
+    parser.add_argument(
+        "--train-engine",
+        choices=("fsdp", "megatron"),
+        default="fsdp",
+        help="whose forward scores the samples: verl's FSDP actor (the HF model) or its Megatron actor (mbridge + "
+        "megatron-core, on CPU; qwen3 / qwen3_moe) (default: %(default)s)",
     )
     parser.add_argument(
         "--data", type=Path, help="a verl RL parquet file (data.train_files); default: built-in prompts"
@@ -131,8 +139,8 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) 
 
     options = ProbeOptions(
         model=Path(model), engine=args.engine, rollout_precision=args.rollout_precision,
-        train_dtype=args.train_dtype, data=data, prompt_key=args.prompt_key, samples=args.samples,
-        per_prompt=args.per_prompt, max_tokens=args.max_tokens, seed=args.seed, device=device,
+        train_dtype=args.train_dtype, train_engine=args.train_engine, data=data, prompt_key=args.prompt_key,
+        samples=args.samples, per_prompt=args.per_prompt, max_tokens=args.max_tokens, seed=args.seed, device=device,
     )  # fmt: skip
     update, close = _progress_bar(enabled=not args.no_progress)
     try:

@@ -123,8 +123,8 @@ def markdown(result: ProbeResult) -> str:
     else:
         lines.append(f"Model: `{result.model_type}`, dense (no routed experts): KL only, replay does not apply.")
     lines += [
-        f"Inference: engine `{o['engine']}` at `{o['rollout_precision']}`; training forward: the HF model at "
-        f"`{o['train_dtype']}` (verl's FSDP actor, `mixed_precision.param_dtype`), on `{o['device']}`.",
+        f"Inference: engine `{o['engine']}` at `{o['rollout_precision']}`; training forward (`--train-engine "
+        f"{o['train_engine']}`): {result.training}.",
         f"Prompts: {data}; {s['samples']} samples over {s['prompts']} prompts ({o['per_prompt']} per prompt), at most "
         f"{o['max_tokens']} tokens each, seed {o['seed']}: {s['response_tokens']} sampled tokens, {s['stopped']} "
         "samples ended at an eos token.",
@@ -204,7 +204,7 @@ def plot(result: ProbeResult, path: Path) -> Path:
     ax.set_xlabel(f"|log mu - log pi| per sampled token (0 drawn at {GAP_FLOOR:g})")
     ax.set_ylabel("tokens")
     ax.set_title(f"{result.options['engine']} {result.options['rollout_precision']} vs training "
-                 f"{result.options['train_dtype']}", fontsize=9)  # fmt: skip
+                 f"{result.options['train_engine']} {result.options['train_dtype']}", fontsize=9)  # fmt: skip
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=80)

@@ -1,5 +1,5 @@
-"""The probe from start to end: check the inputs, render the prompts, sample, score without replay and with R3,
-measure, advise.
+"""The probe from start to end: check the inputs, render the prompts, sample, score without replay and with R3 (on the
+training engine ``--train-engine`` names: verl's FSDP actor or its Megatron actor), measure, advise.
 
 :func:`run_probe` takes :class:`ProbeOptions` and returns a :class:`ProbeResult` (what :mod:`.report` writes). Every
 check runs before a model is loaded; a bad input raises :class:`~verl_stable.probe.checks.ProbeInputError`. The
@@ -9,9 +9,10 @@ engine vLLM's process has ended by then.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ class ProbeOptions:
     engine: str = "hf"
     rollout_precision: str = "bf16"
     train_dtype: str = "bf16"
+    train_engine: str = "fsdp"
     data: Path | None = None
     prompt_key: str = "prompt"
     samples: int = 32
@@ -50,6 +52,7 @@ class ProbeResult:
     Attributes:
         options: the options, as plain values.
         model_kind: ``moe`` or ``dense``; ``model_type`` and ``routing`` (describe_model_routing's report) beside.
+        training: what scored the samples (the training engine's forward, in words: :func:`training_forward`).
         metrics: ``{"none": {...}, "r3": {...}}`` keyed as verl logs them (``r3`` absent for a dense model).
         advice: :func:`verl_stable.probe.advice.advise`'s lines.
         notes: what the reader should know about the inputs (prompts the tokenizer does not know ...).
@@ -62,6 +65,7 @@ class ProbeResult:
     model_kind: str
     model_type: str
     routing: dict[str, Any]
+    training: str
     metrics: dict[str, dict[str, float]]
     advice: dict[str, str]
     notes: list[str] = field(default_factory=list)
@@ -111,6 +115,7 @@ def run_probe(options: ProbeOptions, progress: Callable[[int, int, str], None] |
     _check_counts(options)
     verdict = checks.classify_model(options.model)
     checks.check_engine(options.engine, options.rollout_precision, needs_routing=verdict.is_moe)
+    checks.check_train_engine(options.train_engine, verdict.model_type)
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     tokenizer = prompts.load_tokenizer(options.model)
@@ -159,18 +164,17 @@ def run_probe(options: ProbeOptions, progress: Callable[[int, int, str], None] |
         rollouts = inference.sample_hf(options.model, rendered, of_sample, device=options.device, **kwargs)
     seconds["rollout"] = time.perf_counter() - start
 
-    from verl_stable.probe.training import TrainingForward
-
     start = time.perf_counter()
-    train = TrainingForward(options.model, options.train_dtype, options.device, moe=verdict.is_moe)
-    plain = [train.score(r) for r in _tracked(rollouts, step(f"training: {options.train_dtype}"))]
-    replayed = []
-    if verdict.is_moe:
-        replayed = [
-            train.score(r, replay=True) for r in _tracked(rollouts, step(f"training: {options.train_dtype} + R3"))
-        ]
+    stage = f"training: {options.train_engine} {options.train_dtype}"
+    with training_forward(options, verdict.model_type, layout) as (train, training):
+        plain = [train.score(r) for r in _tracked(rollouts, step(stage))]
+        replayed = []
+        if verdict.is_moe:
+            replayed = [train.score(r, replay=True) for r in _tracked(rollouts, step(f"{stage} + R3"))]
     seconds["training"] = time.perf_counter() - start
-    del train
+    del train  # the model goes before the metrics are computed
+    if options.train_engine == "megatron" and options.device != "cpu":
+        notes.append(f"the Megatron forward ran on the host (the Megatron CPU runtime), not on {options.device}")
 
     metrics, gaps = measure(rollouts, plain, replayed, layout, options.taus)
     options_dict = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options).items()}
@@ -179,6 +183,7 @@ def run_probe(options: ProbeOptions, progress: Callable[[int, int, str], None] |
         model_kind=verdict.kind,
         model_type=verdict.model_type,
         routing=verdict.routing,
+        training=training,
         metrics=metrics,
         advice=advice.advise(metrics, verdict.is_moe),
         notes=notes,
@@ -191,6 +196,32 @@ def run_probe(options: ProbeOptions, progress: Callable[[int, int, str], None] |
         seconds={k: round(v, 2) for k, v in seconds.items()},
         token_gaps=gaps,
     )
+
+
+@contextlib.contextmanager
+def training_forward(options: ProbeOptions, model_type: str, layout: Any | None) -> Iterator[tuple[Any, str]]:
+    """The training side ``options.train_engine`` names, loaded for the block, and what it is in words.
+
+    ``fsdp``: :class:`~verl_stable.probe.training.TrainingForward` (the HF model, verl's FSDP actor);
+    ``megatron``: :class:`~verl_stable.probe.megatron_forward.MegatronForward` (verl's Megatron model). Each scores a
+    rollout as :class:`~verl_stable.probe.training.Scored`; the model is released when the block ends.
+    """
+    if options.train_engine == "megatron":
+        from verl_stable.probe.megatron_forward import MEGATRON_DTYPES, MegatronForward
+
+        what = (
+            f"verl's Megatron actor: mbridge local spec, megatron-core at `actor.megatron.dtype="
+            f"{MEGATRON_DTYPES[options.train_dtype]}`, world size 1, on cpu (the Megatron CPU runtime)"
+        )
+        with MegatronForward(options.model, options.train_dtype, model_type, layout, seed=options.seed) as forward:
+            yield forward, what
+        return
+    from verl_stable.probe.training import TrainingForward
+
+    what = (
+        f"verl's FSDP actor: the HF model at `mixed_precision.param_dtype={options.train_dtype}`, on {options.device}"
+    )
+    yield TrainingForward(options.model, options.train_dtype, options.device, moe=layout is not None), what
 
 
 def measure(
