@@ -414,11 +414,8 @@ def test_the_cpu_runtime_refuses_megatron_layouts_it_cannot_run_exactly():
     r2_tp2 = compose_recipe(
         "megatron", "minirl_n2_r2", [*cpu, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"]
     )
-    assert any("R2 with expert-tensor parallel 2 on the CPU runtime" in p for p in geometry.layout_problems(r2_tp2))
-    r3_tp2 = compose_recipe(
-        "megatron", "minirl_n4_r3", [*cpu, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"]
-    )
-    assert geometry.layout_problems(r3_tp2) == []  # R3 replays every row's top-k: balanced
+    # R2's pad rows make the expert-tensor ranks' token counts uneven: the runtime's even collectives take them
+    assert geometry.layout_problems(r2_tp2) == []
     etp = compose_recipe(
         "megatron",
         "minirl_n4_r3",

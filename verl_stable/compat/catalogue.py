@@ -323,6 +323,26 @@ PATCHES: tuple[Patch, ...] = (
         requires="megatron-core",
     ),
     Patch(
+        "megatron_uneven_tp_gather",
+        "megatron.core.tensor_parallel.mappings._gather_along_first_dim",
+        "process",
+        "verl_stable.cpu.megatron.collectives",
+        "under expert-tensor parallelism the dispatcher gathers each rank's routed tokens with uneven split sizes "
+        "(expert parallelism, R2's pad rows), which gloo's all_gather refuses: the parts are padded to one size",
+        "gloo takes uneven all_gather sizes, or megatron-core pads them itself",
+        requires="megatron-core",
+    ),
+    Patch(
+        "megatron_uneven_tp_reduce_scatter",
+        "megatron.core.tensor_parallel.mappings._reduce_scatter_along_first_dim",
+        "process",
+        "verl_stable.cpu.megatron.collectives",
+        "the dispatcher's combine (and the gather's backward) reduce-scatters the routed tokens with uneven split "
+        "sizes, which gloo refuses: the parts are padded to one size",
+        "gloo takes uneven reduce_scatter sizes, or megatron-core pads them itself",
+        requires="megatron-core",
+    ),
+    Patch(
         "prefork_env_reads",
         "os._Environ.__getitem__",
         "process",

@@ -52,7 +52,9 @@ counts are summed over the groups that split them (the pipeline group: disjoint 
 sequence parallelism and the context group: disjoint rows), which every rank of those groups reaches, and attached
 to the output of the ranks that return metrics. Dynamic context parallelism (micro-batch-dependent groups) is not
 measured (a warning says so). Tested (tests/mcore/test_megatron_engine.py, on CPU) at world size 1, tensor parallel 2
-with sequence parallelism, and expert parallel 2; the pipeline and context-parallel sums are not exercised there.
+with sequence parallelism, expert parallel 2, pipeline parallel 2 (with and without virtual pipeline stages) and
+(EP, TP, PP) = (2, 1, 2), (1, 2, 2), (2, 2, 1); the context-parallel sum is not exercised (the CPU runtime refuses
+context parallelism).
 Written against megatron-core 0.16.1's ``TopKRouter`` (its forward returns ``probs, routing_map``) and verl 0.9.1's
 ``RouterReplay``.
 

@@ -100,7 +100,11 @@ def layout_problems(cfg: Any) -> list[str]:
 
 
 def _cpu_layout_problems(cfg: Any, sizes: dict[str, Any]) -> list[str]:
-    """Layouts the Megatron CPU runtime (local spec, gloo) cannot run exactly."""
+    """Layouts the Megatron CPU runtime (local spec, gloo) cannot run exactly.
+
+    (R2 under expert-tensor parallelism, whose pad rows make the ranks' routed-token counts uneven, runs: the runtime
+    pads gloo's collectives to one size, :mod:`verl_stable.cpu.megatron.collectives`.)
+    """
     problems = []
     given_etp = config_get(cfg, f"{MEGATRON}.expert_tensor_parallel_size", None)
     if given_etp is not None and given_etp != sizes["tensor_model"]:
@@ -109,13 +113,12 @@ def _cpu_layout_problems(cfg: Any, sizes: dict[str, Any]) -> list[str]:
             f"{sizes['tensor_model']}: the CPU runtime's local-spec bridge loads and exports expert weights only at "
             "mbridge's default (expert-tensor parallel = tensor parallel); leave it null on CPU"
         )
-    mode = config_get(cfg, f"{MEGATRON}.router_replay.mode", "disabled")
-    if mode == "R2" and sizes["expert_tensor"] > 1:
+    if sizes["context"] > 1 or config_get(cfg, f"{MEGATRON}.dynamic_context_parallel", False):
         problems.append(
-            f"{MEGATRON}.router_replay.mode=R2 with expert-tensor parallel {sizes['expert_tensor']} on the CPU runtime: "
-            "R2 replays verl's zero routes on pad rows (one expert instead of top-k), so the ranks of the "
-            "expert-tensor group route different token counts, which gloo's all_gather refuses mid-step; use R3, or "
-            "tensor_model_parallel_size=1 on CPU (NCCL takes uneven sizes)"
+            f"{MEGATRON}.context_parallel_size={sizes['context']} / dynamic_context_parallel="
+            f"{config_get(cfg, f'{MEGATRON}.dynamic_context_parallel', False)}: the CPU runtime's packed attention "
+            "(verl_stable.cpu.megatron.attention) has no ring or all-gather attention across context-parallel ranks; "
+            "use context_parallel_size=1 and dynamic_context_parallel=false on CPU"
         )
     return problems
 

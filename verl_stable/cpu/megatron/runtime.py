@@ -13,6 +13,8 @@ What each fix answers (the numbers of the Megatron CPU probe; one module per con
 5   Transformer Engine names in the MoE router (``NameError``)   :mod:`~verl_stable.cpu.megatron.moe`
 6   ~70 ``device="cuda"`` / ``.cuda()`` / ``"torch.cuda.*"``     :mod:`~verl_stable.cpu.megatron.device` (mode)
 7   no sequence parallelism with the torch norm                  :mod:`~verl_stable.cpu.megatron.norm`
+8   NCCL's uneven all-gather / reduce-scatter (expert-tensor     :mod:`~verl_stable.cpu.megatron.collectives`
+    parallel token exchange); gloo takes even sizes only
 ==  ===========================================================  ===============================================
 
 Two ways in, sharing one installation (reference-counted: the fixes are removed when the last holder leaves):
@@ -48,7 +50,7 @@ from torch.overrides import _get_current_function_mode_stack
 from verl_stable.compat import contracts
 from verl_stable.compat.contracts import Contract, ContractResult
 from verl_stable.compat.import_hooks import ImportHook, when_imported
-from verl_stable.cpu.megatron import device, moe, norm, rng
+from verl_stable.cpu.megatron import collectives, device, moe, norm, rng
 from verl_stable.cpu.megatron.patching import AttributePatcher
 
 __all__ = [
@@ -89,6 +91,7 @@ FIXES: tuple[Fix, ...] = (
     Fix("moe_te_fallback", moe.MOE_UTILS, moe.apply_te_fallback),
     Fix("dispatcher_host_splits", moe.DISPATCHER, moe.apply_dispatcher_fix),
     Fix("torch_norm_sequence_parallel", norm.MODULE, norm.apply),
+    Fix("uneven_tp_collectives", collectives.MODULE, collectives.apply),
 )
 """Every attribute fix, in the order applied (the device mode comes on top, per thread)."""
 
@@ -236,7 +239,13 @@ def uninstall() -> None:
 
 
 # --------------------------------------------------------------------------------------------------------- contracts
-CONTRACTS: tuple[Contract, ...] = (*device.CONTRACTS, *rng.CONTRACTS, *moe.CONTRACTS, *norm.CONTRACTS)
+CONTRACTS: tuple[Contract, ...] = (
+    *device.CONTRACTS,
+    *rng.CONTRACTS,
+    *moe.CONTRACTS,
+    *norm.CONTRACTS,
+    *collectives.CONTRACTS,
+)
 """Every private megatron-core interface the fixes patch or rely on, with the shape it has in 0.16.1."""
 
 
