@@ -23,10 +23,11 @@ Variants, interleaved in shuffled order every round:
 The patch is process-wide, so ``off`` lives in one spawned process and ``idle`` / ``R3`` in another (two gloo
 worlds of one rank each); the parent sends one pass at a time, so the two never run at once. Each pass's time is
 the CPU time of the child's compute thread (``--threads 1`` by default: load on a shared host inflates it less
-than wall time) and its wall time; per round the ratios to ``off`` (and ``R3`` to ``idle``, the same engine);
-printed: median and IQR over the rounds. Because those ratios scatter by several percent on a loaded host, the
-script also counts the thread CPU time spent inside verl's replay code (:func:`count_replay_work`) as a share of each
-``R3`` pass, which load does not inflate the same way.
+than wall time) and its wall time; per round the ratios to ``off`` (and ``R3`` to ``idle``, and ``R3+metrics`` to
+``R3``, the same engine); printed: median and IQR over the rounds. Because those ratios scatter by several percent on
+a loaded host, the script also counts the thread CPU time spent inside verl's replay code (:func:`count_replay_work`)
+as a share of each ``R3`` pass, and inside verl-stable's replay metrics (:func:`count_metrics_work`) as a share of
+each ``R3+metrics`` pass, which load does not inflate the same way: the metrics' cost is ``1 / (1 - share)``.
 
 Part 2, bytes. Routing per real token as the actors read it from TransferQueue, for the tiny model at the CPU
 recipe's lengths and at long lengths, and for Qwen3-30B-A3B's shape (48 layers, all MoE, top-8 of 128):
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import multiprocessing as mp
 import os
 import random
@@ -293,6 +295,46 @@ def count_replay_work(spent: list[float]) -> None:
     RouterReplay.get_replay_topk = get_replay_topk
 
 
+def count_metrics_work(spent: list[float]) -> None:
+    """Add the thread CPU time spent inside verl-stable's replay metrics to ``spent[0]`` from now on (this process).
+
+    Counted (outermost call only, so nested calls count once): the per-pass hook set-up and report
+    (``_attach_hooks``, ``_report`` with its group sums), each micro-batch's token classes (``_router_rows`` and the
+    row layout it returns), the audit's ``begin`` / ``flush`` / ``table``, and every router hook and model-chunk
+    pre-hook call. Not counted: the native-choice tap's wrapper around verl's ``get_replay_topk`` (a closure and a
+    dict entry per router call; verl's own work inside it is ``count_replay_work``'s).
+    """
+    from verl_stable.integration import megatron_audit, megatron_replay
+
+    depth = [0]
+
+    def timed(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            depth[0] += 1
+            start = time.thread_time()
+            try:
+                result = fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    spent[0] += time.thread_time() - start
+            return timed(result) if callable(result) and fn.__name__ in TIMED_FACTORIES else result
+
+        return wrapper
+
+    mixin = megatron_replay.MegatronReplayMetricsMixin
+    for name in ("_attach_hooks", "_report", "_router_rows", "_capture_packing"):
+        setattr(mixin, name, timed(getattr(mixin, name)))
+    for name in ("begin", "flush", "table"):
+        setattr(megatron_audit.Audit, name, timed(getattr(megatron_audit.Audit, name)))
+    megatron_replay.router_hook = timed(megatron_audit.router_hook)
+
+
+# the functions that return a callable the metrics call later (a hook, the row layout): that callable is timed too
+TIMED_FACTORIES = ("router_hook", "_router_rows", "_capture_packing")
+
+
 def forward_backward(engine: Any, data: Any, phase: str, audit: bool) -> dict:
     """One pass through ``forward_backward_batch``: ``forward`` as ``infer_batch`` runs it, ``update`` with backward.
 
@@ -332,9 +374,10 @@ def child(conn: Any, modes: tuple[str, ...], model_dir: str, log: str, args: arg
     runtime.register()  # verl's Megatron engines for device cpu, under the Megatron CPU runtime
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     engines = {mode: build_engine(model_dir, mode, args.micro_batch) for mode in modes}
-    inside = [0.0]
+    inside, metrics = [0.0], [0.0]
     if "R3" in modes:
         count_replay_work(inside)
+        count_metrics_work(metrics)
     vocab = int(next(iter(engines.values())).model_config.hf_config.vocab_size)
     batches: dict[str, Any] = {"plain": make_batch(args, vocab, None)}
     conn.send("ready")
@@ -349,12 +392,12 @@ def child(conn: Any, modes: tuple[str, ...], model_dir: str, log: str, args: arg
             conn.send("ok")
         else:  # ("run", mode, batch name, phase, audit)
             _, mode, batch, phase, audit = request
-            inside[0] = 0.0
+            inside[0] = metrics[0] = 0.0
             start, wall = time.thread_time(), time.perf_counter()
             out = forward_backward(engines[mode], batches[batch], phase, audit)
             spent, wall = time.thread_time() - start, time.perf_counter() - wall
             logp = out["model_output"]["log_probs"].values().float() if phase == "forward" else None
-            conn.send((spent, wall, logp, inside[0]))
+            conn.send((spent, wall, logp, inside[0], metrics[0]))
     torch.distributed.destroy_process_group()
 
 
@@ -392,7 +435,7 @@ def time_replay(spec: AssetSpec, args: argparse.Namespace) -> None:
         except EOFError:
             raise RuntimeError(f"the {name} engine process died; its output: {logs[name]}") from None
 
-    def run(variant: str, phase: str) -> tuple[float, float, torch.Tensor | None, float]:
+    def run(variant: str, phase: str) -> tuple[float, float, torch.Tensor | None, float, float]:
         name, (mode, batch, audit) = where[variant]
         return ask(name, ("run", mode, batch, phase, audit))
 
@@ -414,17 +457,18 @@ def time_replay(spec: AssetSpec, args: argparse.Namespace) -> None:
         logps = {v: run(v, "forward")[2] for v in VARIANTS}
         moved = ask("replay", ("run", "R3", "random", "forward", False))[2]
         rng = random.Random(args.seed)
-        times = {(v, p, k): [] for v in VARIANTS for p in PHASES for k in ("cpu", "wall", "inside")}
+        times = {(v, p, k): [] for v in VARIANTS for p in PHASES for k in ("cpu", "wall", "inside", "metrics")}
         for round_ in range(args.warmup + args.rounds):
             for phase in PHASES:
                 order = list(VARIANTS)
                 rng.shuffle(order)
                 for variant in order:
-                    spent, wall, _, inside = run(variant, phase)
+                    spent, wall, _, inside, metrics = run(variant, phase)
                     if round_ >= args.warmup:
                         times[(variant, phase, "cpu")].append(spent)
                         times[(variant, phase, "wall")].append(wall)
                         times[(variant, phase, "inside")].append(inside / spent)
+                        times[(variant, phase, "metrics")].append(metrics / spent)
     finally:
         for name in procs:
             if procs[name].is_alive():
@@ -444,12 +488,18 @@ def time_replay(spec: AssetSpec, args: argparse.Namespace) -> None:
         for kind, label in (("cpu", "thread CPU"), ("wall", "wall")):
             base = times[("off", phase, kind)]
             print(f"  {phase:<7} {label:<10} off median {statistics.median(base) * 1e3:7.1f} ms")
-            for variant, ref in (("idle", "off"), ("R3", "off"), ("R3+metrics", "off"), ("R3", "idle")):
+            pairs = (("idle", "off"), ("R3", "off"), ("R3+metrics", "off"), ("R3", "idle"), ("R3+metrics", "R3"))
+            for variant, ref in pairs:
                 num, den = times[(variant, phase, kind)], times[(ref, phase, kind)]
                 lo, mid, hi = quartiles([x / b for x, b in zip(num, den, strict=True)])
                 print(f"    {variant + ' / ' + ref:<18} median {mid:.3f}x  IQR {lo:.3f} - {hi:.3f}x")
         lo, mid, hi = quartiles(times[("R3", phase, "inside")])
         print(f"    CPU time inside verl's replay code: {mid:.2%} of an R3 pass (IQR {lo:.2%} - {hi:.2%})")
+        lo, mid, hi = quartiles(times[("R3+metrics", phase, "metrics")])
+        print(
+            f"    CPU time inside verl-stable's replay metrics: {mid:.2%} of an R3+metrics pass (IQR {lo:.2%} - "
+            f"{hi:.2%}): R3+metrics / R3 = {1 / (1 - mid):.3f}x by that share"
+        )
     try:
         print(f"  load average at the end (1/5/15 min): {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     except OSError:

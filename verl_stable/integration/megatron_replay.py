@@ -141,6 +141,7 @@ class MegatronReplayMetricsMixin:
         self._compact_layout: Any = None  # the model's RoutingLayout, read from its config on the first compact batch
         self._prompt_rows = SharedRowReader()
         self._routers: list[Any] | None = None  # the replaying routers, found on the first measured pass
+        self._device: torch.device | None = None  # the model's device, read on the first measured pass
 
     # ------------------------------------------------------------------------------------------- passes
     def _expand_compact(self, data: TensorDict, forward_only: bool) -> tuple[TensorDict, dict[str, int] | None]:
@@ -162,7 +163,7 @@ class MegatronReplayMetricsMixin:
             return output
         if self._replay_audit is not None:
             raise RuntimeError("forward_backward_batch re-entered while a router replay audit is active")
-        audit = Audit(ordinals=self._moe_ordinals(), device=next(self.module[0].parameters()).device)
+        audit = Audit(ordinals=self._moe_ordinals(), device=self._model_device())
         self._replay_audit = audit
         try:
             self._attach_hooks(audit)
@@ -209,6 +210,12 @@ class MegatronReplayMetricsMixin:
             self._warn_once("dcp", "router replay metrics are not measured under dynamic context parallelism")
             return False
         return True
+
+    def _model_device(self) -> torch.device:
+        """Where the model's parameters live, read once: ``parameters()`` walks the module tree on every call."""
+        if self._device is None:
+            self._device = next(self.module[0].parameters()).device
+        return self._device
 
     def _moe_ordinals(self) -> dict[int, int]:
         """Router ``layer_number`` (1-based, global) -> MoE-layer ordinal, by verl's rule for MoE layers."""
@@ -303,16 +310,18 @@ class MegatronReplayMetricsMixin:
         position = torch.arange(int(offsets[-1])) - offsets[:-1][sequence]
         rows = torch.zeros(int(padded[-1]), dtype=torch.long)  # ROW_PADDING
         rows[padded[:-1][sequence] + position] = classes
-        device = next(self.module[0].parameters()).device
+        rows = rows.to(self._model_device())
+        if mpu.get_tensor_model_parallel_world_size() == 1:
+            return rows  # the split below would keep every row (megatron's autograd function, for nothing)
         with torch.no_grad():
-            return scatter_to_sequence_parallel_region(rows.to(device))
+            return scatter_to_sequence_parallel_region(rows)
 
     def _rows_by_verl(self, classes: torch.Tensor, offsets: torch.Tensor, local_cp_size: int | None) -> torch.Tensor:
         """The router rows' classes packed by verl's ``preprocess_thd_engine``, as verl packs the replay targets."""
         from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
         from verl.models.mcore.util import preprocess_thd_engine
 
-        device = next(self.module[0].parameters()).device
+        device = self._model_device()
         nested = torch.nested.nested_tensor_from_jagged(classes.to(device), offsets=offsets.to(device))
         config = self.tf_config
         dsv4 = getattr(config, "experimental_attention_variant", None) == "dsv4_hybrid"

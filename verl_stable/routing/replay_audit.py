@@ -207,20 +207,24 @@ def layer_counts(
         raise ValueError(f"native ids {tuple(native_ids.shape)} are not shaped as the targets {target_ids.shape}")
     used = routing_maps.bool()
     device = used.device
+    top_k = target_ids.shape[-1]
     targets = target_ids.to(device=device, dtype=torch.long)
     mask = torch.ones(used.shape[:2], dtype=torch.bool, device=device) if replay_masks is None else replay_masks
     mask = mask.to(device).bool()
-    differ = (used != torch.zeros_like(used).scatter_(2, targets, True)).any(dim=-1) & mask
-    ordered = targets.sort(dim=-1).values
-    if targets.shape[-1] < 2:  # top-1: a zero row cannot be told from a choice of expert 0 (rows_with_data)
+    # every comparison through the targets' expert map, which the used-vs-target test needs anyway: a row holds a
+    # routing iff its map has top_k experts (top_k distinct ids); a top-k choice of distinct ids equals such a row's
+    # set iff the map holds each of them
+    target_map = torch.zeros_like(used).scatter_(2, targets, True)
+    differ = (used != target_map).any(dim=-1) & mask
+    if top_k < 2:  # top-1: a zero row cannot be told from a choice of expert 0 (rows_with_data)
         covered = mask
     else:
-        covered = (ordered[..., 1:] != ordered[..., :-1]).all(dim=-1) & mask
+        covered = (target_map.sum(dim=-1) == top_k) & mask
     if native_ids is None:
         with_data = own = torch.zeros_like(covered)
     else:
-        native = native_ids.to(device=device, dtype=torch.long).sort(dim=-1).values
-        with_data, own = covered, (native != ordered).any(dim=-1) & covered
+        native = native_ids.to(device=device, dtype=torch.long)
+        with_data, own = covered, ~target_map.gather(2, native).all(dim=-1) & covered
     counts = torch.stack([mask, differ, with_data, own], dim=-1).sum(dim=1)
     return counts, covered
 
