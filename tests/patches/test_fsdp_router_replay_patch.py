@@ -1,11 +1,13 @@
 """The upstreamable FSDP router-replay diff (patches/verl-0.9.1-fsdp-router-replay.diff) against verl 0.9.1.
 
 The diff is checked with ``git apply --check`` against the installed verl, then applied for real to a copy of the
-installed ``verl/`` package. Behaviour checks run that patched verl in subprocesses (``PYTHONPATH=<copy>``, verl's
-external plugins off, so neither the installed verl nor verl-stable's engine plugin is in the way); each subprocess
-first asserts that ``verl.__file__`` lies in the copy. References are independent of the patched code: plain
-forwards, verl-stable's own ``verl_stable.routing.replay`` (another implementation, which places rows by the
-attention mask), gradients of the natural model, and verl's own config / validation code.
+installed ``verl/`` package (the diff's own tests and docs page land beside it, as in a verl checkout). Behaviour
+checks run that patched verl in subprocesses (``PYTHONPATH=<copy>``, verl's external plugins off, so neither the
+installed verl nor verl-stable's engine plugin is in the way); each subprocess first asserts that ``verl.__file__``
+lies in the copy. References are independent of the patched code: plain forwards, verl-stable's own
+``verl_stable.routing.replay`` (another implementation, which places rows by the attention mask), gradients of the
+natural model, the unpatched installed verl (``disabled`` must reproduce it bit for bit), and verl's own config /
+validation code. The diff's own tests inside verl's ``tests/`` tree run on the patched copy too.
 
 Run as a script (``python this_file.py <check>|all <patched root>``) the module executes checks and prints one JSON
 line; that is what the subprocess does.
@@ -24,13 +26,19 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 DIFF = REPO / "patches" / "verl-0.9.1-fsdp-router-replay.diff"
+MAIN_DIFF = REPO / "patches" / "verl-main-fsdp-router-replay.diff"
+OWN_TESTS = ("tests/utils/test_fsdp_router_replay_on_cpu.py", "tests/workers/test_fsdp_router_replay_engine_on_cpu.py")
 TOUCHED = {
     "verl/utils/fsdp_router_replay.py",
     "verl/trainer/config/engine/fsdp.yaml",
     "verl/trainer/config/_generated_ppo_trainer.yaml",
     "verl/workers/engine/fsdp/transformer_impl.py",
     "verl/workers/engine_workers.py",
+    "docs/advance/fsdp_router_replay.md",
+    *OWN_TESTS,
 }
+# verl's main also lists the page in its docs index and names the FSDP key in its router-replay example README.
+MAIN_TOUCHED = TOUCHED | {"docs/index.rst", "examples/router_replay/README.md"}
 FAMILIES = ("qwen3_moe", "qwen3_5_moe_text", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe")
 
 
@@ -43,18 +51,47 @@ def _installed_site_packages() -> Path:
 # ------------------------------------------------------------------------------------------------- the diff
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is needed for `git apply`")
 def test_diff_applies_cleanly_to_the_installed_verl():
+    site = _installed_site_packages()
+    # A venv inside a git work tree puts site-packages in that tree, where `git apply` would skip every path outside
+    # the current directory (and pass vacuously); the ceiling keeps git from finding the enclosing repository.
+    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(site.parent))
     proc = subprocess.run(
-        ["git", "apply", "--check", "-p1", str(DIFF)], cwd=_installed_site_packages(), capture_output=True, text=True
+        ["git", "apply", "--check", "-p1", str(DIFF)], cwd=site, env=env, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr
+    bogus = DIFF.read_text().replace(
+        " from verl.utils.device import get_device_id,", " from verl.utils.device import nothing,", 1
+    )
+    assert bogus != DIFF.read_text()
+    proc = subprocess.run(
+        ["git", "apply", "--check", "-p1", "-"], input=bogus, cwd=site, env=env, text=True, capture_output=True
+    )
+    assert proc.returncode != 0, "git apply --check must be able to fail here"
 
 
-def test_diff_touches_only_the_planned_files_and_never_imports_verl_stable():
-    text = DIFF.read_text()
-    assert _touched(DIFF) == TOUCHED
+@pytest.mark.parametrize("diff,touched", [(DIFF, TOUCHED), (MAIN_DIFF, MAIN_TOUCHED)], ids=["0.9.1", "main"])
+def test_diff_touches_only_the_planned_files_and_never_imports_verl_stable(diff, touched):
+    text = diff.read_text()
+    assert _touched(diff) == touched
+    assert [line.split()[2][2:] for line in text.splitlines() if line.startswith("diff --git ")] == [
+        line[len("+++ b/") :] for line in text.splitlines() if line.startswith("+++ b/")
+    ], "every file section has its own diff --git header"
     added = [line for line in text.splitlines() if line.startswith("+") and not line.startswith("+++")]
     assert not [line for line in added if "verl_stable" in line], "upstream code must not depend on verl-stable"
     assert "agent_loop" not in text, "the agent loop belongs to the routing-transport diff"
+
+
+def test_series_entries_name_the_switch_and_the_own_tests():
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+    series = tomllib.loads((REPO / "patches" / "series.toml").read_text())
+    mine = {p["base"]: p for p in series["patch"] if p["feature"] == "fsdp-router-replay"}
+    assert {base: p["file"] for base, p in mine.items()} == {"0.9.1": DIFF.name, "main": MAIN_DIFF.name}
+    for entry in mine.values():
+        assert entry["switch"] == "actor_rollout_ref.actor.fsdp_config.router_replay.mode"
+        assert tuple(entry["own_tests"]) == OWN_TESTS
 
 
 def _touched(diff: Path) -> set[str]:
@@ -62,7 +99,8 @@ def _touched(diff: Path) -> set[str]:
     return {line[len("+++ b/") :].split("\t")[0] for line in diff.read_text().splitlines() if line.startswith("+++ b/")}
 
 
-OTHER_DIFFS = sorted(p for p in DIFF.parent.glob("*.diff") if p != DIFF)
+# The other diffs against verl 0.9.1 (the series names them verl-0.9.1-*; verl-main-* apply to verl's main).
+OTHER_DIFFS = sorted(p for p in DIFF.parent.glob("verl-0.9.1-*.diff") if p != DIFF)
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is needed for `git apply`")
@@ -107,6 +145,22 @@ def test_patched_module_is_applied_and_self_contained(patched_verl):
     assert module.is_file()
     assert "verl_stable" not in module.read_text()
     assert "router_replay:" in (patched_verl / "verl/trainer/config/engine/fsdp.yaml").read_text()
+    for test in OWN_TESTS:
+        assert "verl_stable" not in (patched_verl / test).read_text()
+
+
+def test_the_diffs_own_verl_tests_pass_on_the_patched_verl(patched_verl):
+    env = dict(os.environ, PYTHONPATH=str(patched_verl), VERL_USE_EXTERNAL_PLUGINS="none", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--rootdir", str(patched_verl), *OWN_TESTS],
+        env=env,
+        cwd=patched_verl,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    assert " passed" in proc.stdout.splitlines()[-1] and "failed" not in proc.stdout.splitlines()[-1]
 
 
 # ------------------------------------------------------------------------------------------------- checks
@@ -169,11 +223,25 @@ def test_patched_fsdp_engine_runs_r2_and_r3_through_verls_code_paths(results):
     assert r["r3_packed_equal"] and r["r3_changes_logp"]
     assert r["r3_padded_equal"] and r["r3_pad_to_length_close"] and r["r3_missing_rows_equal"]
     # The worker's veto (reference pass) and the reference engine never replay.
-    assert r["vetoed_is_natural"] and r["forward_only_engine_mode"] == "disabled"
+    assert r["vetoed_is_natural"] and r["unflagged_is_natural"]  # replay needs the worker's flag, as in verl's engines
+    assert r["forward_only_engine_mode"] == "disabled" and r["forward_only_engine_has_no_controller"]
     assert r["lora_reference_is_natural"] and r["lora_adapter_pass_replays"]
     # Errors are clear and leave the controller disarmed.
     assert "enable_rollout_routing_replay=True" in r["r3_without_routing"]
     assert "expected rows per sample [5, 7]" in r["misaligned"] and r["disarmed_after_error"]
+
+
+def test_disabled_replay_leaves_verls_engine_bit_for_bit_unchanged(patched_verl):
+    patched = _run_check(patched_verl, "plain")["plain"]
+    unpatched = _run_check(_installed_site_packages(), "plain")["plain"]
+    assert patched["verl_file"].startswith(str(patched_verl)) and not unpatched["verl_file"].startswith(
+        str(patched_verl)
+    )
+    assert patched["mode"] == unpatched["mode"] == "disabled"
+    assert patched["forward_keys"] == unpatched["forward_keys"] == ["log_probs"]  # no routed_experts
+    for key in ("forward_log_probs", "update_log_probs", "grads"):
+        assert patched[key] == unpatched[key], key
+    assert len(patched["grads"]) > 10
 
 
 def test_patched_engine_aligns_routing_with_ulysses_slices_on_two_ranks(results):
@@ -237,8 +305,7 @@ def check_controller(root: str) -> dict:
         layers, top_k, experts, moe = rr.num_hidden_layers, rr.top_k, rr.num_experts, rr.moe_layers
         r = {"expected_shape": [ids.numel(), layers, top_k]}
 
-        rr.begin(rr_mod.RouterReplayAction.RECORD)
-        rr.begin_microbatch(token_rows)
+        rr.begin_microbatch(rr_mod.RouterReplayAction.RECORD, token_rows)
         with torch.no_grad():
             recorded_logits = model(input_ids=ids, attention_mask=mask).logits
         recorded = rr.take_recorded()
@@ -247,15 +314,14 @@ def check_controller(root: str) -> dict:
         r["dense_layers_zero"] = not bool(recorded[:, dense].any()) if dense else True
         r["record_keeps_logits"] = torch.equal(recorded_logits, plain)
 
-        rr.begin(rr_mod.RouterReplayAction.REPLAY)
-        rr.begin_microbatch(token_rows, recorded)
+        rr.begin_microbatch(rr_mod.RouterReplayAction.REPLAY, token_rows, recorded)
         with torch.no_grad():
             r["replay_own_is_identical"] = torch.equal(model(input_ids=ids, attention_mask=mask).logits, plain)
 
         # A different routing; one real token has no data (zero row), as rollout engines leave the last token.
         routing = _random_routing(ids.numel(), layers, moe, experts, top_k, seed=3)
         routing[1] = 0
-        rr.begin_microbatch(token_rows, routing)
+        rr.begin_microbatch(rr_mod.RouterReplayAction.REPLAY, token_rows, routing)
         model.zero_grad()
         out = model(input_ids=ids, attention_mask=mask).logits
         out[mask.bool()].logsumexp(-1).sum().backward()
@@ -302,13 +368,13 @@ def _errors(rr_mod, kit) -> dict:
             return str(exc)
         return "no error"
 
-    rr.begin(rr_mod.RouterReplayAction.REPLAY)
-    errors["bad_layers"] = message(lambda: rr.begin_microbatch(rows, good[:, :2]))
+    replay = rr_mod.RouterReplayAction.REPLAY
+    errors["bad_layers"] = message(lambda: rr.begin_microbatch(replay, rows, good[:, :2]))
     bad = good.clone()
     bad[4, 2, 0] = 8
-    errors["out_of_range"] = message(lambda: rr.begin_microbatch(rows, bad))
-    errors["replay_without_targets"] = message(lambda: rr.begin_microbatch(rows))
-    rr.begin_microbatch(rows[:20], good[:20])
+    errors["out_of_range"] = message(lambda: rr.begin_microbatch(replay, rows, bad))
+    errors["replay_without_targets"] = message(lambda: rr.begin_microbatch(replay, rows))
+    rr.begin_microbatch(replay, rows[:20], good[:20])
     errors["row_count"] = message(lambda: model(input_ids=ids))
     dense = kit.AutoModelForCausalLM.from_config(
         kit.AutoConfig.for_model("qwen3", **{k: v for k, v in kit._COMMON.items()}, num_hidden_layers=1)
@@ -373,8 +439,12 @@ def check_config(root: str) -> dict:
 ENGINE_LENGTHS = [5, 7, 3, 6]
 
 
-def _engine_batch(lengths, routed=None, *, remove_padding=True, micro=2, seed=0):
-    """A verl engine batch (nested, padding removed) with ``routed_experts`` when given."""
+def _engine_batch(lengths, routed=None, *, remove_padding=True, micro=2, seed=0, replay_flag=True):
+    """A verl engine batch (nested, padding removed) with ``routed_experts`` when given.
+
+    ``replay_flag`` is the ``enable_routing_replay`` verl's worker stamps on the batch when router replay is on
+    (True for ``compute_log_prob`` / ``update_actor``, False for ``compute_ref_log_prob``); None leaves it out.
+    """
     import torch
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
@@ -400,12 +470,16 @@ def _engine_batch(lengths, routed=None, *, remove_padding=True, micro=2, seed=0)
         micro_batch_size_per_gpu=micro,
         return_model_output=True,
     )
+    if replay_flag is not None:
+        tu.assign_non_tensor(td, enable_routing_replay=replay_flag)
     return td
 
 
-def check_engine(root: str) -> dict:
-    """verl's patched FSDPEngineWithLMHead: real __init__ / initialize / forward_backward_batch, no FSDP wrap."""
+def _engine_kit():
+    """A tiny Qwen3-MoE and a factory of verl's FSDPEngineWithLMHead around it (real __init__ / initialize, no FSDP
+    wrap: sharding is out of scope on one CPU rank), on one gloo rank. Works on any verl, patched or not."""
     import tempfile
+    from types import SimpleNamespace
 
     import torch
     import torch.distributed as dist
@@ -414,24 +488,18 @@ def check_engine(root: str) -> dict:
     from verl_stable.cpu.platform import platform_class  # test infrastructure: verl's device helpers on CPU
 
     platform_manager._current_platform = platform_class()()
-    rr_mod = _import_patched(root)
     from verl.trainer.config import CheckpointConfig
-    from verl.utils import tensordict_utils as tu
     from verl.workers.config import EngineRouterReplayConfig, FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine.fsdp import transformer_impl
 
-    from verl_stable.routing import RoutingTrace, capture, replay
-
     torch.set_num_threads(1)
-    kit = _testkit()
     tmp = Path(tempfile.mkdtemp())
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp / "store"), 1), rank=0, world_size=1)
-    model = kit.tiny_model("qwen3_moe", attn_implementation="sdpa")  # layers 0, 2 MoE; layer 1 dense; top-2 of 8
+    model = _testkit().tiny_model("qwen3_moe", attn_implementation="sdpa")  # layers 0, 2 MoE; 1 dense; top-2 of 8
     model.save_pretrained(tmp / "model")
     model_config = HFModelConfig(path=str(tmp / "model"), load_tokenizer=False, use_remove_padding=True)
-    cls = transformer_impl.FSDPEngineWithLMHead
 
-    def engine(mode, forward_only=False, pad_to_length=False):
+    def engine(mode, forward_only=False, pad_to_length=False, module=None):
         config = FSDPEngineConfig(
             router_replay=EngineRouterReplayConfig(mode=mode),
             forward_only=forward_only,
@@ -440,18 +508,22 @@ def check_engine(root: str) -> dict:
             pad_to_length_bucket=8,
             strategy="fsdp2",
         )
-        eng = cls(model_config, config, FSDPOptimizerConfig(lr=1e-3), CheckpointConfig())
+        eng = transformer_impl.FSDPEngineWithLMHead(
+            model_config, config, FSDPOptimizerConfig(lr=1e-3), CheckpointConfig()
+        )
 
-        def build_without_fsdp():  # FSDP sharding is out of scope on one CPU rank; the module is the HF model
-            eng.module, eng.optimizer, eng.lr_scheduler = model, None, None
+        def build_without_fsdp():
+            eng.module, eng.optimizer, eng.lr_scheduler = model if module is None else module, None, None
 
         eng._build_model_optimizer = build_without_fsdp
         eng._autocast_dtype = torch.float32
         eng.initialize()
         return eng
 
-    def run(eng, data, forward_only=True, loss=None):
-        out = eng.forward_backward_batch(data, loss_function=loss, forward_only=forward_only)
+    def run(eng, data, forward_only=True, loss=None):  # as verl's worker runs it: inside the eval / train scope
+        scope = eng.eval_mode if forward_only else eng.train_mode
+        with scope(disable_auto_offload=True, zero_grad_on_exit=False):  # no optimizer here
+            out = eng.forward_backward_batch(data, loss_function=loss, forward_only=forward_only)
         return out["model_output"]
 
     def sum_logp(model_output, data, dp_group=None):
@@ -459,6 +531,54 @@ def check_engine(root: str) -> dict:
 
     def grads():
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    return SimpleNamespace(
+        model=model, engine=engine, run=run, sum_logp=sum_logp, grads=grads, module=transformer_impl, dist=dist
+    )
+
+
+def check_plain(root: str) -> dict:
+    """verl's FSDP engine with router replay left at its default: log-probs and gradients as raw bytes (hex digests),
+    so that the patched verl can be compared bit for bit with the unpatched installed one."""
+    import hashlib
+
+    import torch
+    import verl
+
+    assert verl.__file__.startswith(root), (root, verl.__file__)
+    k = _engine_kit()
+    from verl.workers.config import FSDPEngineConfig
+
+    digest = lambda t: hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest()  # noqa: E731
+    eng = k.engine(FSDPEngineConfig().router_replay.mode)  # the default mode of this verl
+    rows = _random_routing(sum(ENGINE_LENGTHS), 3, (0, 2), 8, 2, seed=1).to(torch.int16)
+    # A batch as verl's trainer hands it over when the rollout exported routing but replay is off (no worker flag).
+    forward = k.run(eng, _engine_batch(ENGINE_LENGTHS, rows, replay_flag=None))
+    k.model.zero_grad()
+    update = k.run(eng, _engine_batch(ENGINE_LENGTHS, rows, replay_flag=None), False, k.sum_logp)
+    result = {
+        "verl_file": verl.__file__,
+        "mode": FSDPEngineConfig().router_replay.mode,
+        "forward_keys": sorted(forward.keys()),
+        "forward_log_probs": digest(forward["log_probs"].values()),
+        "update_log_probs": digest(update["log_probs"].values()),
+        "grads": {name: digest(grad) for name, grad in sorted(k.grads().items())},
+    }
+    k.dist.destroy_process_group()
+    return result
+
+
+def check_engine(root: str) -> dict:
+    """verl's patched FSDPEngineWithLMHead: real __init__ / initialize / forward_backward_batch, no FSDP wrap."""
+    import torch
+
+    rr_mod = _import_patched(root)
+    from verl.utils import tensordict_utils as tu
+
+    from verl_stable.routing import RoutingTrace, capture, replay
+
+    k = _engine_kit()
+    model, engine, run, sum_logp, grads, transformer_impl = k.model, k.engine, k.run, k.sum_logp, k.grads, k.module
 
     def moe_trace(rows):  # the library's trace of packed rows: MoE layers only, zero rows = no data (-1)
         ids = rows[:, [0, 2]].to(torch.long)
@@ -524,14 +644,15 @@ def check_engine(root: str) -> dict:
     tu.assign_non_tensor(vetoed, enable_routing_replay=False)
     natural4 = run(base, _engine_batch(lengths, micro=4))["log_probs"].values()
     r["vetoed_is_natural"] = torch.equal(run(r3, vetoed)["log_probs"].values(), natural4)
-    r["forward_only_engine_mode"] = engine("R3", forward_only=True)._router_replay_mode
+    unflagged = _engine_batch(lengths, rows, micro=4, replay_flag=None)  # the worker did not turn replay on
+    r["unflagged_is_natural"] = torch.equal(run(r3, unflagged)["log_probs"].values(), natural4)
+    reference_engine = engine("R3", forward_only=True)
+    r["forward_only_engine_mode"] = reference_engine._fsdp_router_replay_mode
+    r["forward_only_engine_has_no_controller"] = reference_engine._fsdp_router_replay is None
     # A LoRA actor computing the reference policy (adapter off) does not replay; with the adapter on it does.
     from peft import LoraConfig, get_peft_model
 
-    lora = engine("R3")
-    lora.module = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))  # B = 0: same function
-    lora._fsdp_router_replay = rr_mod.FSDPRouterReplay(lora.module)
-    lora._fsdp_router_replay.install()
+    lora = engine("R3", module=get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"])))  # B = 0
     with lora.disable_adapter():
         reference = run(lora, _engine_batch(lengths, rows, micro=4))["log_probs"].values()
     r["lora_reference_is_natural"] = torch.equal(reference, natural4)
@@ -552,7 +673,7 @@ def check_engine(root: str) -> dict:
     r["misaligned"] = message(lambda: run(r3, shifted))
     r["disarmed_after_error"] = r3._fsdp_router_replay.action is rr_mod.RouterReplayAction.DISABLED
     r["verl_stable_engine_not_loaded"] = not any(m.startswith("verl_stable.integration") for m in sys.modules)
-    dist.destroy_process_group()
+    k.dist.destroy_process_group()
     return r
 
 
@@ -637,6 +758,13 @@ def check_ulysses(root: str) -> dict:
 
 
 if __name__ == "__main__":
-    CHECKS = {"controller": check_controller, "config": check_config, "engine": check_engine, "ulysses": check_ulysses}
-    names = list(CHECKS) if sys.argv[1] == "all" else [sys.argv[1]]
+    CHECKS = {
+        "controller": check_controller,
+        "config": check_config,
+        "engine": check_engine,
+        "plain": check_plain,
+        "ulysses": check_ulysses,
+    }
+    # "plain" runs on its own (also on the unpatched verl), in a fresh process each time
+    names = [name for name in CHECKS if name != "plain"] if sys.argv[1] == "all" else [sys.argv[1]]
     _emit({name: CHECKS[name](sys.argv[2]) for name in names})
