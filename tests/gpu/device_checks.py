@@ -106,30 +106,11 @@ def sizes_for(device: str, quick: bool) -> Sizes:
 # ------------------------------------------------------------------------------------------------ models
 def toy_config() -> Any:
     """The CPU runtime's toy Qwen3-MoE (``verl_stable.toy.assets.AssetSpec`` defaults), built from its config."""
-    from transformers import Qwen3MoeConfig
 
     from verl_stable.toy import assets
 
-    spec = assets.AssetSpec()
     vocab = len(assets.SPECIALS) + 1 + len(assets.WORDS)  # the word-level tokenizer build_tokenizer saves
-    return Qwen3MoeConfig(
-        vocab_size=vocab,
-        hidden_size=spec.hidden_size,
-        intermediate_size=2 * spec.hidden_size,
-        moe_intermediate_size=spec.moe_intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.hidden_size // spec.num_attention_heads,
-        num_experts=spec.num_experts,
-        num_experts_per_tok=spec.num_experts_per_tok,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        norm_topk_prob=True,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-    )
+    return assets.model_config(assets.AssetSpec(), vocab, pad_token_id=0)
 
 
 def wide_config() -> Any:

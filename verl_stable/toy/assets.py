@@ -91,14 +91,12 @@ def build_tokenizer(out_dir: str | os.PathLike) -> object:
     return tok
 
 
-def build_model(out_dir: str | os.PathLike, spec: AssetSpec, tokenizer: object) -> object:
-    """Build a random tiny Qwen3-MoE (every layer sparse) and save it with ``save_pretrained``."""
-    import torch
-    from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+def model_config(spec: AssetSpec, vocab_size: int, **token_ids: int) -> object:
+    """The tiny Qwen3-MoE's ``Qwen3MoeConfig`` for ``spec`` (every layer sparse), with the tokenizer's special ids."""
+    from transformers import Qwen3MoeConfig
 
-    eos_id = tokenizer.convert_tokens_to_ids(EOS)
-    config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer),
+    return Qwen3MoeConfig(
+        vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=2 * spec.hidden_size,
         moe_intermediate_size=spec.moe_intermediate_size,
@@ -113,6 +111,19 @@ def build_model(out_dir: str | os.PathLike, spec: AssetSpec, tokenizer: object) 
         norm_topk_prob=True,
         max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=False,
+        **token_ids,
+    )
+
+
+def build_model(out_dir: str | os.PathLike, spec: AssetSpec, tokenizer: object) -> object:
+    """Build a random tiny Qwen3-MoE (every layer sparse) and save it with ``save_pretrained``."""
+    import torch
+    from transformers import GenerationConfig, Qwen3MoeForCausalLM
+
+    eos_id = tokenizer.convert_tokens_to_ids(EOS)
+    config = model_config(
+        spec,
+        len(tokenizer),
         bos_token_id=tokenizer.convert_tokens_to_ids(BOS),
         eos_token_id=eos_id,
         pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
