@@ -136,27 +136,14 @@ def lm_loss(model, data: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------------- parallel state
-@contextlib.contextmanager
 def parallel_state(
     rank: int, world_size: int, store: str, tp: int = 1, ep: int = 1, seed: int = 1234
-) -> Iterator[None]:
-    """torch.distributed (gloo, file store at path ``store``) and megatron's groups for ``tp`` x ``ep``; torn down."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as mpu
-    from megatron.core import tensor_parallel
+) -> contextlib.AbstractContextManager[None]:
+    """torch.distributed (gloo, file store at path ``store``) and megatron's groups for ``tp`` x ``ep``; torn down
+    (:func:`verl_stable.cpu.megatron.world.gloo_megatron_world`)."""
+    from verl_stable.cpu.megatron.world import gloo_megatron_world
 
-    if dist.is_initialized():
-        raise RuntimeError("torch.distributed is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
-    try:
-        mpu.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
-        try:
-            tensor_parallel.model_parallel_cuda_manual_seed(seed)
-            yield
-        finally:
-            mpu.destroy_model_parallel()
-    finally:
-        dist.destroy_process_group()
+    return gloo_megatron_world(rank, world_size, store, tp=tp, ep=ep, seed=seed)
 
 
 def full_weights(model) -> dict[str, torch.Tensor]:

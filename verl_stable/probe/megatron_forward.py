@@ -58,22 +58,14 @@ MEGATRON_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 def _world_of_one(seed: int) -> Iterator[None]:
     """torch.distributed (gloo, one rank) and megatron's parallel groups, seeded as verl's engine seeds them."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as mpu
-    from megatron.core import tensor_parallel
+
+    from verl_stable.cpu.megatron.world import gloo_megatron_world
 
     if dist.is_initialized():
         raise RuntimeError("--train-engine megatron needs its own process group; torch.distributed is initialised")
     with tempfile.TemporaryDirectory(prefix="verl_stable_probe_") as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
-        try:
-            mpu.initialize_model_parallel()
-            try:
-                tensor_parallel.model_parallel_cuda_manual_seed(seed)
-                yield
-            finally:
-                mpu.destroy_model_parallel()
-        finally:
-            dist.destroy_process_group()
+        with gloo_megatron_world(0, 1, f"{tmp}/store", seed=seed):
+            yield
 
 
 def _routed_ids(routing_map: torch.Tensor, top_k: int) -> torch.Tensor:
