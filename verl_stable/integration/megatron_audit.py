@@ -45,8 +45,7 @@ class Audit:
         calls: model chunk (``id``) -> ``forward_step`` calls so far: the slot of a chunk's next micro-batch.
         slot: the micro-batch being forwarded.
         rows: the token class per router input row of the micro-batch being forwarded, computed when it is
-            counted (a zero-argument callable returning ``[rows]`` or ``None``: unknown, no coverage); it may read
-            ``packed``.
+            counted: a callable taking ``packed`` and returning ``[rows]``, or ``None`` (unknown: no coverage).
         packed: verl's ``PackedSeqParams`` of the micro-batch being forwarded (the model chunk's pre-hook).
         handles: the router hooks and wrapped replay objects, removed at the end of the pass.
         native: ``id(RouterReplay)`` -> the top-k ids its router chose itself in the call being replayed.
@@ -59,7 +58,7 @@ class Audit:
     counts: dict[int, torch.Tensor] = field(default_factory=dict)
     calls: dict[int, int] = field(default_factory=dict)
     slot: int = 0
-    rows: Callable[[], torch.Tensor | None] | None = None
+    rows: Callable[[Any], torch.Tensor | None] | None = None
     packed: Any = None
     handles: list[Any] = field(default_factory=list)
     native: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -71,8 +70,8 @@ class Audit:
     def width(self) -> int:
         return PER_LAYER * len(self.ordinals) + COVERAGE_WIDTH + EXTRA
 
-    def begin(self, chunk: Any, rows: Callable[[], torch.Tensor | None] | None) -> None:
-        """The next micro-batch of ``chunk`` is about to be forwarded, its router rows classified by ``rows()``."""
+    def begin(self, chunk: Any, rows: Callable[[Any], torch.Tensor | None] | None) -> None:
+        """The next micro-batch of ``chunk`` is about to be forwarded, its router rows classified by ``rows(packed)``."""
         self.flush()
         self.slot = self.calls.get(id(chunk), 0)
         self.calls[id(chunk)] = self.slot + 1
@@ -112,7 +111,7 @@ class Audit:
             per_layer.index_add_(0, torch.tensor([c[0] for c in chosen], device=self.device), counts)
             for i, row in zip(calls, group_covered, strict=True):
                 covered[i] = row
-        rows = self.rows() if self.rows is not None else None
+        rows = self.rows(self.packed) if self.rows is not None else None
         if rows is None:
             vector[-2] += len(pending)
             return

@@ -250,9 +250,10 @@ class MegatronReplayMetricsMixin:
             audit.handles.append(router.register_forward_hook(router_hook(audit)))
             audit.handles.append(NativeChoiceTap(router.router_replay, audit.native))
 
-    def _router_rows(self, batch: TensorDict) -> Callable[[], torch.Tensor | None] | None:
-        """The token class of each row the routers see for ``batch``, as a callable the audit runs when it counts the
-        micro-batch (``None`` when the batch has no response layout: then no coverage is counted).
+    def _router_rows(self, batch: TensorDict) -> Callable[[Any], torch.Tensor | None] | None:
+        """The token class of each row the routers see for ``batch``, as a callable the audit runs with the forward's
+        ``PackedSeqParams`` when it counts the micro-batch (``None`` when the batch has no response layout: then no
+        coverage is counted).
 
         The rows are the packed, sequence-parallel-split layout verl packs the replay targets into. Without context
         parallelism (and fp8 padding, or DeepSeek-V4's local-row minimum) that layout is Megatron's THD buffer as the
@@ -272,10 +273,8 @@ class MegatronReplayMetricsMixin:
         classes = token_classes(offsets, *(flag.cpu() for flag in roles))
         local_cp_size = tu.get_non_tensor_data(data=batch, key="local_cp_size", default=None)
 
-        def rows() -> torch.Tensor | None:
-            audit = self._replay_audit
-            packed = None if audit is None or local_cp_size is not None else audit.packed
-            found = self._rows_from_packing(classes, offsets, packed)
+        def rows(packed: Any) -> torch.Tensor | None:
+            found = None if local_cp_size is not None else self._rows_from_packing(classes, offsets, packed)
             return found if found is not None else self._rows_by_verl(classes, offsets, local_cp_size)
 
         return rows
