@@ -43,11 +43,13 @@ def test_two_layers_by_hand():
     assert covered.tolist() == [[True, True, False], [True, True, True]]
 
 
-@pytest.mark.parametrize("seed", range(6))
+# expert counts whose routing maps layer_counts compares 8, 4 or 2 flags at a time (16, 12, 6) or one at a time (7)
+@pytest.mark.parametrize("experts", [16, 12, 6, 7])
+@pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("top_k", [1, 2, 4])
-def test_random_layers_equal_the_per_call_functions(seed, top_k):
+def test_random_layers_equal_the_per_call_functions(seed, top_k, experts):
     gen = torch.Generator().manual_seed(seed)
-    layers, rows, experts = 5, 37, 12
+    layers, rows = 5, 37
 
     def draw() -> torch.Tensor:
         return torch.rand(layers, rows, experts, generator=gen).argsort(dim=-1)[..., :top_k]
@@ -70,6 +72,24 @@ def test_random_layers_equal_the_per_call_functions(seed, top_k):
     assert torch.equal(
         coverage_row_counts(classes, covered), sum(coverage_row_counts(classes, covered[layer]) for layer in range(5))
     )
+
+
+def test_maps_that_are_views_count_as_their_copies():
+    """A routing map whose flags cannot be read a word at a time (a slice starting mid-row, a transpose) counts as its
+    contiguous copy."""
+    gen = torch.Generator().manual_seed(3)
+    targets = torch.rand(3, 20, 16, generator=gen).argsort(dim=-1)[..., :4]
+    used = torch.rand(3, 20, 16, generator=gen).argsort(dim=-1)[..., :4]
+    used[:, ::2] = targets[:, ::2]
+    native = targets.flip(-1)
+    native[:, ::3] = used[:, ::3]
+    expected = layer_counts(_maps(used, 16), targets, None, native)
+    sliced = _maps(used + 1, 17)[..., 1:]  # expert e at column e + 1 of a wider map: rows start one flag in
+    transposed = _maps(used, 16).transpose(0, 1).contiguous().transpose(0, 1)
+    for maps in (sliced, transposed):
+        assert not maps.is_contiguous() and torch.equal(maps, _maps(used, 16))
+        for got, want in zip(layer_counts(maps, targets, None, native), expected, strict=True):
+            assert torch.equal(got, want)
 
 
 def test_coverage_of_several_calls_by_class():

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from verl_stable.metric_names import COVERAGE_COUNTS
-from verl_stable.routing.replay_audit import coverage_row_counts, layer_counts
+from verl_stable.routing.replay_audit import RowRuns, coverage_row_counts, layer_counts, run_coverage_counts
 
 __all__ = ["COVERAGE_WIDTH", "EXTRA", "PER_LAYER", "Audit", "NativeChoiceTap", "router_hook"]
 
@@ -41,11 +41,14 @@ class Audit:
     Attributes:
         ordinals: router ``layer_number`` (1-based, global) -> MoE-layer ordinal.
         device: where the count vectors live (the model's device).
-        counts: micro-batch slot -> count vector (int64).
+        counts: micro-batch slot -> count vector (int64), without its three counters.
+        counters: micro-batch slot -> the three counters of the module docstring, as Python integers.
+        layer_index: MoE-layer ordinals of a group of calls -> the same as an index tensor on ``device``.
         calls: model chunk (``id``) -> ``forward_step`` calls so far: the slot of a chunk's next micro-batch.
         slot: the micro-batch being forwarded.
         rows: the token class per router input row of the micro-batch being forwarded, computed when it is
-            counted: a callable taking ``packed`` and returning ``[rows]``, or ``None`` (unknown: no coverage).
+            counted: a callable taking ``packed`` and returning the classes as runs or ``[rows]`` codes, or ``None``
+            (unknown: no coverage).
         packed: verl's ``PackedSeqParams`` of the micro-batch being forwarded (the model chunk's pre-hook).
         handles: the router hooks and wrapped replay objects, removed at the end of the pass.
         native: ``id(RouterReplay)`` -> the top-k ids its router chose itself in the call being replayed.
@@ -58,10 +61,12 @@ class Audit:
     counts: dict[int, torch.Tensor] = field(default_factory=dict)
     calls: dict[int, int] = field(default_factory=dict)
     slot: int = 0
-    rows: Callable[[Any], torch.Tensor | None] | None = None
+    rows: Callable[[Any], RowRuns | torch.Tensor | None] | None = None
     packed: Any = None
     handles: list[Any] = field(default_factory=list)
     native: dict[int, torch.Tensor] = field(default_factory=dict)
+    counters: dict[int, list[int]] = field(default_factory=dict)
+    layer_index: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
     pending: list[tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]] = field(
         default_factory=list
     )
@@ -70,8 +75,9 @@ class Audit:
     def width(self) -> int:
         return PER_LAYER * len(self.ordinals) + COVERAGE_WIDTH + EXTRA
 
-    def begin(self, chunk: Any, rows: Callable[[Any], torch.Tensor | None] | None) -> None:
-        """The next micro-batch of ``chunk`` is about to be forwarded, its router rows classified by ``rows(packed)``."""
+    def begin(self, chunk: Any, rows: Callable[[Any], RowRuns | torch.Tensor | None] | None) -> None:
+        """The next micro-batch of ``chunk`` is about to be forwarded, its router rows classified by
+        ``rows(packed)``."""
         self.flush()
         self.slot = self.calls.get(id(chunk), 0)
         self.calls[id(chunk)] = self.slot + 1
@@ -85,41 +91,60 @@ class Audit:
     def flush(self) -> None:
         """Count the router calls of the micro-batch forwarded since :meth:`begin` into its vector, the MoE layers
         that saw the same rows in one :func:`~verl_stable.routing.replay_audit.layer_counts` (a call without
-        targets, where verl fell back to the router's own choice, counts as measured and not covered)."""
+        targets, where verl fell back to the router's own choice, counts as measured and not covered).
+
+        The three counters stay Python integers until :meth:`table`, and each group of calls is stacked once, moved
+        once: every tensor operation here is paid once per micro-batch, whatever the number of MoE layers."""
         pending, self.pending = self.pending, []
         if not pending:
             return
         vector = self.vector()
-        vector[-3] += len(pending)
-        covered: list[torch.Tensor] = []  # per call, in order
-        groups: dict[int, list[int]] = {}  # rows -> the calls with targets that saw that many rows
-        for i, (_, routing_map, target, _, _) in enumerate(pending):
-            covered.append(torch.zeros(routing_map.shape[0], dtype=torch.bool, device=self.device))
-            if target is not None:
-                groups.setdefault(routing_map.shape[0], []).append(i)
+        counters = self.counters.setdefault(self.slot, [0, 0, 0])
+        counters[0] += len(pending)
+        groups: dict[int, list[int]] = {}  # rows -> the calls that saw that many rows
+        for i, call in enumerate(pending):
+            groups.setdefault(call[1].shape[0], []).append(i)
         per_layer = vector[: PER_LAYER * len(self.ordinals)].view(-1, PER_LAYER)
-        for calls in groups.values():
-            chosen = [pending[i] for i in calls]
-            targets = torch.stack([c[2].to(self.device) for c in chosen])
+        # (calls, their rows, [calls, rows] covered or None: none covered)
+        coverage: list[tuple[int, int, torch.Tensor | None]] = []
+        for size, calls in groups.items():
+            chosen = [pending[i] for i in calls if pending[i][2] is not None]
+            if len(chosen) < len(calls):
+                coverage.append((len(calls) - len(chosen), size, None))
+            if not chosen:
+                continue
             masks, natives = [c[3] for c in chosen], [c[4] for c in chosen]
-            counts, group_covered = layer_counts(
+            targets = torch.stack([c[2] for c in chosen]).to(self.device)
+            counts, covered = layer_counts(
                 torch.stack([c[1] for c in chosen]),
                 targets,
-                None if any(m is None for m in masks) else torch.stack([m.to(self.device) for m in masks]),
+                None if any(m is None for m in masks) else torch.stack(masks).to(self.device),
                 None if any(n is None or n.shape != targets.shape[1:] for n in natives) else torch.stack(natives),
             )
-            per_layer.index_add_(0, torch.tensor([c[0] for c in chosen], device=self.device), counts)
-            for i, row in zip(calls, group_covered, strict=True):
-                covered[i] = row
+            per_layer.index_add_(0, self._layer_index(tuple(c[0] for c in chosen)), counts)
+            coverage.append((len(chosen), size, covered))
         rows = self.rows(self.packed) if self.rows is not None else None
         if rows is None:
-            vector[-2] += len(pending)
+            counters[1] += len(pending)
             return
-        fitting = [c for c in covered if c.shape[0] == rows.shape[0]]
-        vector[-1] += len(covered) - len(fitting)
-        if fitting:
-            start = PER_LAYER * len(self.ordinals)
-            vector[start : start + COVERAGE_WIDTH] += coverage_row_counts(rows, torch.stack(fitting))
+        row_count = rows.rows if isinstance(rows, RowRuns) else rows.shape[0]
+        start = PER_LAYER * len(self.ordinals)
+        for calls, size, covered in coverage:
+            if size != row_count:
+                counters[2] += calls
+                continue
+            if covered is None:
+                covered = torch.zeros(calls, size, dtype=torch.bool, device=self.device)
+            if isinstance(rows, RowRuns):
+                vector[start : start + COVERAGE_WIDTH] += run_coverage_counts(rows, covered)
+            else:
+                vector[start : start + COVERAGE_WIDTH] += coverage_row_counts(rows, covered)
+
+    def _layer_index(self, ordinals: tuple[int, ...]) -> torch.Tensor:
+        """The MoE-layer ordinals of a group of calls as an index tensor on the device (made once per group shape)."""
+        if ordinals not in self.layer_index:
+            self.layer_index[ordinals] = torch.tensor(ordinals, device=self.device)
+        return self.layer_index[ordinals]
 
     def table(self) -> torch.Tensor:
         """``[micro-batches, width]``: every slot any chunk forwarded, zeros where this rank measured nothing."""
@@ -128,6 +153,9 @@ class Audit:
         table = torch.zeros(slots, self.width, dtype=torch.long, device=self.device)
         for slot, vector in self.counts.items():
             table[slot] += vector
+        for slot, counters in self.counters.items():
+            if any(counters):
+                table[slot, -EXTRA:] += torch.tensor(counters, device=self.device)
         return table
 
 

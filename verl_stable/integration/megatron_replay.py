@@ -94,8 +94,14 @@ from verl_stable.integration.losses import (
 from verl_stable.integration.megatron_audit import COVERAGE_WIDTH, PER_LAYER, Audit, NativeChoiceTap, router_hook
 from verl_stable.metric_names import COVERAGE, COVERAGE_COUNTS
 from verl_stable.routing.families import layout_from_config
-from verl_stable.routing.replay_audit import ROW_PADDING, disagreement_metrics, token_classes
-from verl_stable.routing.replay_pass import METRIC_PREFIX, token_roles
+from verl_stable.routing.replay_audit import (
+    ROW_PADDING,
+    RowRuns,
+    class_runs,
+    disagreement_metrics,
+    packed_row_classes,
+)
+from verl_stable.routing.replay_pass import METRIC_PREFIX, response_layout
 from verl_stable.transport.expansion import expand_compact_routing, without_compact_fields
 from verl_stable.transport.fields import IDS_FIELD
 from verl_stable.transport.side_rows import SharedRowReader
@@ -250,7 +256,7 @@ class MegatronReplayMetricsMixin:
             audit.handles.append(router.register_forward_hook(router_hook(audit)))
             audit.handles.append(NativeChoiceTap(router.router_replay, audit.native))
 
-    def _router_rows(self, batch: TensorDict) -> Callable[[Any], torch.Tensor | None] | None:
+    def _router_rows(self, batch: TensorDict) -> Callable[[Any], RowRuns | torch.Tensor] | None:
         """The token class of each row the routers see for ``batch``, as a callable the audit runs with the forward's
         ``PackedSeqParams`` when it counts the micro-batch (``None`` when the batch has no response layout: then no
         coverage is counted).
@@ -258,24 +264,29 @@ class MegatronReplayMetricsMixin:
         The rows are the packed, sequence-parallel-split layout verl packs the replay targets into. Without context
         parallelism (and fp8 padding, or DeepSeek-V4's local-row minimum) that layout is Megatron's THD buffer as the
         forward's ``PackedSeqParams`` describe it: sequence ``i``'s tokens at ``cu_seqlens_q_padded[i]`` onwards, pad
-        rows after them. It is read from the parameters verl passed the model (:meth:`_capture_packing`) in a few
-        tensor operations; otherwise, or when those parameters do not describe this batch, the classes are packed by
-        verl's own ``preprocess_thd_engine`` with the arguments its ``set_router_replay_data`` uses (a loop over the
-        sequences: as costly as the rest of the metrics together on a small model).
+        rows after them. Its classes are runs (:func:`~verl_stable.routing.replay_audit.class_runs`, a few integers per
+        sequence) in the slots the parameters verl passed the model give (:meth:`_capture_packing`), and the coverage
+        is counted from the runs' bounds; otherwise, or when those parameters do not describe this batch, the classes
+        are packed by verl's own ``preprocess_thd_engine`` with the arguments its ``set_router_replay_data`` uses (a
+        loop over the sequences: as costly as the rest of the metrics together on a small model).
         """
         input_ids = batch["input_ids"]
         if not getattr(input_ids, "is_nested", False):
             return None
         offsets = input_ids.offsets().cpu()
-        roles = token_roles(batch, offsets)
-        if roles is None:
+        layout = response_layout(batch, offsets)
+        if layout is None:
             return None
-        classes = token_classes(offsets, *(flag.cpu() for flag in roles))
+        lengths = offsets.diff()
+        response_lengths, trained = layout
         local_cp_size = tu.get_non_tensor_data(data=batch, key="local_cp_size", default=None)
 
-        def rows(packed: Any) -> torch.Tensor | None:
-            found = None if local_cp_size is not None else self._rows_from_packing(classes, offsets, packed)
-            return found if found is not None else self._rows_by_verl(classes, offsets, local_cp_size)
+        def rows(packed: Any) -> RowRuns | torch.Tensor:
+            slots = None if local_cp_size is not None else self._packed_slots(lengths, packed)
+            if slots is not None:
+                return self._sequence_parallel_runs(class_runs(lengths, response_lengths, trained, slots))
+            classes = packed_row_classes(lengths, response_lengths, trained)
+            return self._rows_by_verl(classes, offsets, local_cp_size)
 
         return rows
 
@@ -287,10 +298,10 @@ class MegatronReplayMetricsMixin:
 
         return hook
 
-    def _rows_from_packing(self, classes: torch.Tensor, offsets: torch.Tensor, packed: Any) -> torch.Tensor | None:
-        """The router rows' classes from the forward's THD packing, or ``None`` where that layout does not apply."""
+    def _packed_slots(self, lengths: torch.Tensor, packed: Any) -> list[int] | None:
+        """The rows each sequence occupies in the forward's THD buffer (its tokens, then pad rows), from the
+        ``PackedSeqParams`` verl passed the model, or ``None`` where that layout does not apply."""
         from megatron.core import parallel_state as mpu
-        from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
 
         config = self.tf_config
         padded = getattr(packed, "cu_seqlens_q_padded", None)
@@ -301,19 +312,25 @@ class MegatronReplayMetricsMixin:
             or getattr(config, "experimental_attention_variant", None) == "dsv4_hybrid"
         ):
             return None
-        padded = padded.to("cpu", torch.long)
-        lengths = offsets.diff()
-        if padded.shape != offsets.shape or bool(((padded.diff() - lengths) < 0).any()):
+        bounds = padded.tolist()
+        if len(bounds) != lengths.numel() + 1 or bounds[0] != 0:
             return None  # not this batch's sequences
-        sequence = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-        position = torch.arange(int(offsets[-1])) - offsets[:-1][sequence]
-        rows = torch.zeros(int(padded[-1]), dtype=torch.long)  # ROW_PADDING
-        rows[padded[:-1][sequence] + position] = classes
-        rows = rows.to(self._model_device())
-        if mpu.get_tensor_model_parallel_world_size() == 1:
-            return rows  # the split below would keep every row (megatron's autograd function, for nothing)
-        with torch.no_grad():
-            return scatter_to_sequence_parallel_region(rows)
+        slots = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        if any(slot < n for slot, n in zip(slots, lengths.tolist(), strict=True)):
+            return None
+        return slots
+
+    def _sequence_parallel_runs(self, runs: RowRuns) -> RowRuns:
+        """The runs of the rows this rank's routers see: the packed buffer's equal consecutive slice of this
+        tensor-parallel rank, as verl splits the replay targets (``scatter_to_sequence_parallel_region``; megatron
+        requires sequence parallelism for MoE under tensor parallelism)."""
+        from megatron.core import parallel_state as mpu
+
+        size = mpu.get_tensor_model_parallel_world_size()
+        if size == 1:
+            return runs
+        share, rank = runs.rows // size, mpu.get_tensor_model_parallel_rank()
+        return runs.window(rank * share, (rank + 1) * share)
 
     def _rows_by_verl(self, classes: torch.Tensor, offsets: torch.Tensor, local_cp_size: int | None) -> torch.Tensor:
         """The router rows' classes packed by verl's ``preprocess_thd_engine``, as verl packs the replay targets."""

@@ -5,8 +5,8 @@ a pass (:func:`replay_action`: none / observe / record / replay, from ``router_r
 the routing sessions installed on the model for one ``forward_backward_batch`` call (:class:`ReplayPass`, armed
 once per micro-batch), reading a micro-batch's ``routed_experts`` as packed rows (:func:`routed_rows`) and the rows
 a recorder saw (:func:`last_forward_rows`), the per-layer R2 drift (:func:`r2_drift_per_layer`) and the replay
-coverage of a micro-batch (:func:`token_roles`, :func:`coverage_counts`). The engine mixin that drives them from
-verl's hooks is :mod:`verl_stable.integration.fsdp_replay`; nothing here imports verl.
+coverage of a micro-batch (:func:`response_layout`, :func:`token_roles`, :func:`coverage_counts`). The engine mixin
+that drives them from verl's hooks is :mod:`verl_stable.integration.fsdp_replay`; nothing here imports verl.
 
 Replay coverage. Each (token, MoE layer) row the routers see in a replayed micro-batch falls in exactly one class:
 
@@ -208,8 +208,8 @@ def r2_drift_per_layer(natural: torch.Tensor, recorded: torch.Tensor, has_data: 
     return (differ / compared).tolist()
 
 
-def token_roles(micro_batch: TensorDict, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Per packed token row of a micro-batch: is it a prompt token, and is its log-prob trained.
+def response_layout(micro_batch: TensorDict, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each sample's response length and which response tokens are trained, read from a micro-batch on the host.
 
     The response is the tail of each sample's ``input_ids``: ``response_mask`` is nested with one entry per response
     token (verl's engine workers), or a right-padded ``[B, R]`` tensor next to the ``[B, S]`` ``attention_mask`` whose
@@ -220,9 +220,9 @@ def token_roles(micro_batch: TensorDict, offsets: torch.Tensor) -> tuple[torch.T
         offsets: ``[B + 1]`` cu_seqlens of its ``input_ids``.
 
     Returns:
-        ``(is_prompt, trained)``, two ``[tokens]`` bool tensors on ``offsets``' device, or ``None`` when the
-        micro-batch carries no ``response_mask`` (or a dense one without ``attention_mask``): coverage is then not
-        counted.
+        ``(response_lengths, trained)``: ``[B]`` int64 and ``[sum(response_lengths)]`` bool (``response_mask != 0``,
+        sample after sample), both on the host; ``None`` when the micro-batch carries no ``response_mask`` (or a dense
+        one without ``attention_mask``): coverage is then not counted.
 
     Raises:
         RouterReplayError: If the response lengths do not fit the sequences.
@@ -246,6 +246,28 @@ def token_roles(micro_batch: TensorDict, offsets: torch.Tensor) -> tuple[torch.T
         raise RouterReplayError(
             f"response lengths {response_lengths.tolist()} do not fit the sequence lengths {lengths.tolist()}"
         )
+    return response_lengths.long(), flags
+
+
+def token_roles(micro_batch: TensorDict, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per packed token row of a micro-batch: is it a prompt token, and is its log-prob trained.
+
+    Args:
+        micro_batch: the micro-batch as the engine receives it (its response layout: :func:`response_layout`).
+        offsets: ``[B + 1]`` cu_seqlens of its ``input_ids``.
+
+    Returns:
+        ``(is_prompt, trained)``, two ``[tokens]`` bool tensors on ``offsets``' device, or ``None`` when the
+        micro-batch carries no response layout: coverage is then not counted.
+
+    Raises:
+        RouterReplayError: If the response lengths do not fit the sequences.
+    """
+    layout = response_layout(micro_batch, offsets)
+    if layout is None:
+        return None
+    response_lengths, flags = layout
+    lengths = offsets.diff().cpu()
     sample = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
     position = torch.arange(int(lengths.sum())) - offsets.cpu()[:-1][sample]
     is_prompt = position < (lengths - response_lengths)[sample]
