@@ -7,7 +7,9 @@ bf16 or fp16 only), one batch of packed sequences, two passes through ``forward_
 * ``forward``: ``infer_batch`` in eval mode, what ``compute_log_prob`` runs;
 * ``update``: forward + backward in train mode (no optimizer step, so every round sees the same weights).
 
-Variants, interleaved in shuffled order every round:
+Variants, interleaved every round (``off``, ``idle`` and the pair ``R3`` / ``R3+metrics`` in shuffled order, the pair
+run twice in ABBA order, so that the pass after the other process's -- which finds the caches cold -- falls on each
+of the two equally often):
 
 * ``off``: an engine built with ``router_replay.mode=disabled``, in a process where verl's router patch
   (``apply_router_replay_patch``, class-wide on megatron's ``TopKRouter``) was never applied: megatron's own routing;
@@ -460,15 +462,24 @@ def time_replay(spec: AssetSpec, args: argparse.Namespace) -> None:
         times = {(v, p, k): [] for v in VARIANTS for p in PHASES for k in ("cpu", "wall", "inside", "metrics")}
         for round_ in range(args.warmup + args.rounds):
             for phase in PHASES:
-                order = list(VARIANTS)
-                rng.shuffle(order)
-                for variant in order:
+                # the two variants of the same engine back to back, twice, in ABBA (BAAB every other round) order: the
+                # pass that follows the other process's pass finds its caches cold, and ABBA gives each variant that
+                # pass equally often within a round
+                pair = ["R3", "R3+metrics"] if round_ % 2 == 0 else ["R3+metrics", "R3"]
+                blocks = [["off"], ["idle"], pair + pair[::-1]]
+                rng.shuffle(blocks)
+                passes: dict[str, list[tuple[float, float, float, float]]] = {v: [] for v in VARIANTS}
+                for variant in (v for block in blocks for v in block):
                     spent, wall, _, inside, metrics = run(variant, phase)
-                    if round_ >= args.warmup:
-                        times[(variant, phase, "cpu")].append(spent)
-                        times[(variant, phase, "wall")].append(wall)
-                        times[(variant, phase, "inside")].append(inside / spent)
-                        times[(variant, phase, "metrics")].append(metrics / spent)
+                    passes[variant].append((spent, wall, inside, metrics))
+                if round_ < args.warmup:
+                    continue
+                for variant, measured in passes.items():  # per variant the mean of its passes in this round
+                    spent, wall, inside, metrics = (sum(x) / len(measured) for x in zip(*measured, strict=True))
+                    times[(variant, phase, "cpu")].append(spent)
+                    times[(variant, phase, "wall")].append(wall)
+                    times[(variant, phase, "inside")].append(inside / spent)
+                    times[(variant, phase, "metrics")].append(metrics / spent)
     finally:
         for name in procs:
             if procs[name].is_alive():
