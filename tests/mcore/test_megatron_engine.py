@@ -336,7 +336,7 @@ def _engine_body(rank: int, tmp: str, port: int, layout: Layout, model_dir: str)
         "megatron",
         model_config=HFModelConfig(path=model_dir),
         engine_config=engine_config,
-        optimizer_config=McoreOptimizerConfig(lr=1e-2, total_training_steps=10),
+        optimizer_config=McoreOptimizerConfig(lr=LR, total_training_steps=10),
         checkpoint_config=CheckpointConfig(),
     )
     engine.initialize()
@@ -830,17 +830,36 @@ def test_the_forward_log_probs_are_world_size_1s(layout, runs, model_dir):
                 torch.testing.assert_close(got[:-1], expected[:-1], rtol=0, atol=LOGP_ATOL)
 
 
-def test_a_pipelined_update_exports_world_size_1s_weights_bit_for_bit(layout, runs, model_dir):
-    """Where only pipeline stages split the model, the R3 update and its export to the rollout are world size 1's.
+# Adam's first step moves an element by lr * g / (|g| + eps): +-lr wherever |g| is far above eps, whatever the
+# gradient's size. Where bf16 partial sums flip the sign of a near-zero gradient the two runs' elements differ by
+# 2 x lr; bf16 rounding of the exported weight adds one ulp (2^-7 of its size, relative spacing 2^-8 either side).
+LR = 1e-2
+BF16_SPACING = 2.0**-7
 
-    (Expert parallelism: the clipping norm is summed over the ranks in another order, a bf16 ulp on a few tensors;
-    tensor parallelism: bf16 partial sums flip the sign of near-zero gradients, whose first Adam step is +-lr; the
-    per-layout export checks above cover those layouts.)"""
+
+def test_an_update_exports_world_size_1s_weights(layout, runs, model_dir):
+    """After the R3 update every layout hands the rollout world size 1's weights: bit for bit where only pipeline
+    stages split the model; under tensor or expert parallelism within Adam's first step of them.
+
+    (Expert parallelism sums the clipping norm over the ranks in another order, a bf16 ulp on a few tensors; tensor
+    parallelism's bf16 partial sums flip the sign of near-zero gradients, each such element +-lr from world size 1's.
+    A weight exported from the wrong shard or slice differs by the size of the weights, several times the bound.)"""
     tp, ranks = layout
-    if tp > 1 or len({r["coords"]["dp"] for r in ranks}) > 1:
-        pytest.skip("tensor or expert (data) parallel: not bit-identical to world size 1 (see the docstring)")
     reference = ranks_of(runs, model_dir, "world1")[0]["exported_after_update"]
+    exact = tp == 1 and len({r["coords"]["dp"] for r in ranks}) == 1
     for r in ranks:
         exported = r["exported_after_update"]
         assert sorted(exported) == sorted(reference)
-        assert [n for n, t in reference.items() if not torch.equal(exported[n], t)] == [], r["coords"]
+        if exact:
+            assert [n for n, t in reference.items() if not torch.equal(exported[n], t)] == [], r["coords"]
+            continue
+        identical = total = 0
+        for name, expected in reference.items():
+            got, want = exported[name].double(), expected.double()
+            bound = 2 * LR * 1.01 + BF16_SPACING * torch.maximum(got.abs(), want.abs())
+            over = (got - want).abs() > bound
+            assert not over.any(), (r["coords"], name, float((got - want).abs().max()), int(over.sum()))
+            identical += int((got == want).sum())
+            total += got.numel()
+        # most elements are world size 1's exactly: the differences are the near-zero gradients' sign flips
+        assert identical > total // 2, (r["coords"], identical, total)
