@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -67,18 +65,27 @@ SHAPES = (
 BATCHES = ((1024, 4096, False), (1024, 4096, True), (4096, 1024, False), (256, 4096, False))
 
 
+def _load_patched_tree():
+    """``patches/tools/patched_tree.py`` (copy verl, apply a diff), loaded by path: ``patches/tools`` is no package."""
+    spec = importlib.util.spec_from_file_location("patched_tree", PATCHES / "tools" / "patched_tree.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
 def patched_verl(workdir: Path) -> Path:
-    """A copy of the installed verl with the two diffs' verl/ parts applied; returns the directory holding verl/."""
-    spec = importlib.util.find_spec("verl")
-    if spec is None or spec.origin is None:
-        raise SystemExit("verl is not installed")
-    shutil.copytree(Path(spec.origin).parent, workdir / "verl", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in DIFFS:
-        cmd = ["git", "apply", "-p1", "--include=verl/*", str(PATCHES / name)]
-        proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"{name} does not apply to the installed verl: {proc.stderr}")
-    return workdir
+    """A copy of the installed verl with the two diffs' verl/ parts applied; returns the directory holding verl/.
+
+    The installed verl is located, not imported, so that ``main`` can import the patched copy afterwards.
+    """
+    pt = _load_patched_tree()
+    try:
+        return pt.patched_copy(workdir, [PATCHES / name for name in DIFFS], include="verl/*")
+    except ModuleNotFoundError as exc:
+        raise SystemExit(str(exc)) from exc
+    except pt.DiffDoesNotApply as exc:
+        raise SystemExit(f"{exc.diff.name} does not apply to the installed verl: {exc.applied.message}") from exc
 
 
 def engine_rows(rng: np.random.Generator, rows: int, shape: Shape) -> np.ndarray:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import ast
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -51,12 +52,36 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
+
+
+def _load_sibling(name: str) -> ModuleType:
+    """``patches/tools/<name>.py``, loaded by path.
+
+    ``patches/tools`` is not a package, and this file runs as a script as well as being loaded by path from the tests;
+    a module already loaded under ``name`` (by a test, say) is reused, so ``Applied`` stays one class.
+    """
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+# Copying a verl tree and applying one diff to it (check, then apply, git kept out of enclosing repositories) are
+# shared with the tests and benchmarks; re-exported here, where the check and its tests have always found them.
+_patched_tree = _load_sibling("patched_tree")
+Applied = _patched_tree.Applied
+apply_diff = _patched_tree.apply_diff
+copy_tree = _patched_tree.copy_tree
 
 REPO = Path(__file__).resolve().parents[2]
 SERIES = REPO / "patches" / "series.toml"
@@ -255,33 +280,6 @@ def pristine_main(work: Path, git_dir: Path, commit: str) -> tuple[Path, str, st
     extract_tar(archive, tree, strip_top=False)
     archive.unlink()
     return tree, f"{git_dir} @ {commit}", f"git:{commit}"
-
-
-def copy_tree(src: Path, dst: Path) -> Path:
-    """A copy of a verl tree without byte-code caches."""
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache"))
-    return dst
-
-
-# ------------------------------------------------------------------------------------------------ applying
-@dataclass
-class Applied:
-    """Outcome of applying one diff to one tree."""
-
-    ok: bool
-    message: str = ""
-
-
-def apply_diff(tree: Path, diff: Path) -> Applied:
-    """``git apply --check`` then ``git apply`` of ``diff`` in ``tree`` (``-p1``)."""
-    # A tree inside some git work tree would make git apply relative to that repository's root: stop the search.
-    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tree.parent))
-    for args in (["--check"], []):
-        proc = _run(["git", "apply", "-p1", *args, str(diff)], cwd=tree, env=env)
-        if proc.returncode != 0:
-            stage = "git apply --check" if args else "git apply"
-            return Applied(False, f"{stage}: {proc.stderr.strip()}")
-    return Applied(True)
 
 
 # ------------------------------------------------------------------------------------------------ test discovery

@@ -10,6 +10,7 @@ on (each alone and both), the actor's ``routed_experts`` equals that reference o
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import os
 import pickle
@@ -25,6 +26,20 @@ import torch
 import verl
 
 PATCHES = Path(__file__).parents[2] / "patches"
+
+
+def _load_patched_tree():
+    """``patches/tools/patched_tree.py`` (copy verl, apply a diff), loaded by path: ``patches/tools`` is no package."""
+    if "patched_tree" in sys.modules:  # check_series.py, loaded by another test, loads it too: keep one module
+        return sys.modules["patched_tree"]
+    spec = importlib.util.spec_from_file_location("patched_tree", PATCHES / "tools" / "patched_tree.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+pt = _load_patched_tree()
 ENCODING = PATCHES / "verl-0.9.1-compact-routing-encoding.diff"
 PROMPT_ROWS = PATCHES / "verl-0.9.1-routing-prompt-rows-once.diff"
 OURS = (ENCODING, PROMPT_ROWS)
@@ -77,17 +92,15 @@ def _reference(prompt_len: int, mask: list[int], routing: np.ndarray) -> torch.T
     return out.as_dict()["routed_experts"]
 
 
-def _apply(root: Path, diffs) -> None:
-    for diff in diffs:
-        proc = subprocess.run(
-            ["git", "apply", "-p1", "--include=verl/*", str(diff)], cwd=root, capture_output=True, text=True
-        )
-        assert proc.returncode == 0, f"{diff.name}: {proc.stderr}"
+def _patched_verl(root: Path, diffs) -> Path:
+    """A copy of the installed verl package in ``root`` with the ``verl/`` parts of ``diffs`` applied, in order.
 
-
-def _copy_verl(root: Path) -> Path:
-    shutil.copytree(INSTALLED_VERL, root / "verl", ignore=shutil.ignore_patterns("__pycache__"))
-    return root
+    Only the package is copied (the subprocess imports nothing else), so the diffs' verl tests and docs are left out.
+    """
+    try:
+        return pt.patched_copy(root, diffs, include="verl/*", source=INSTALLED_VERL)
+    except pt.DiffDoesNotApply as exc:
+        pytest.fail(str(exc))
 
 
 PROBE = textwrap.dedent(
@@ -193,8 +206,7 @@ PROBE = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
-    root = _copy_verl(tmp_path_factory.mktemp("patched"))
-    _apply(root, OURS)
+    root = _patched_verl(tmp_path_factory.mktemp("patched"), OURS)
     work = tmp_path_factory.mktemp("probe")
     (work / "args.pkl").write_bytes(pickle.dumps({"samples": _samples(), "config": CONFIG}))
     (work / "probe.py").write_text(PROBE)
@@ -216,22 +228,16 @@ def probe(tmp_path_factory):
 # ---------------------------------------------------------------------------------------------------- applying
 @pytest.mark.parametrize("diff", OURS, ids=[p.name for p in OURS])
 def test_applies_to_installed_verl(diff):
-    proc = subprocess.run(
-        ["git", "apply", "--check", "-p1", "--include=verl/*", str(diff)],
-        cwd=INSTALLED_VERL.parent,
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stderr
+    checked = pt.check_diff(INSTALLED_VERL.parent, diff, include="verl/*")
+    assert checked.ok, checked.message
 
 
 @pytest.mark.parametrize("other", [*OTHERS, None], ids=[*(p.name for p in OTHERS), "the_two_alone"])
 @pytest.mark.parametrize("order", ["ours_first", "other_first"])
 def test_stacks_with_every_other_diff_in_either_order(other, order, tmp_path):
-    root = _copy_verl(tmp_path)
     ours = list(OURS) if order == "ours_first" else list(reversed(OURS))
     others = [] if other is None else [other]
-    _apply(root, [*ours, *others] if order == "ours_first" else [*others, *ours])
+    _patched_verl(tmp_path, [*ours, *others] if order == "ours_first" else [*others, *ours])
 
 
 @pytest.mark.parametrize("diff", OURS, ids=[p.name for p in OURS])

@@ -15,6 +15,7 @@ line; that is what the subprocess does.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -42,6 +43,20 @@ MAIN_TOUCHED = TOUCHED | {"docs/index.rst", "examples/router_replay/README.md"}
 FAMILIES = ("qwen3_moe", "qwen3_5_moe_text", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe")
 
 
+def _load_patched_tree():
+    """``patches/tools/patched_tree.py`` (copy verl, apply a diff), loaded by path: ``patches/tools`` is no package."""
+    if "patched_tree" in sys.modules:  # check_series.py, loaded by another test, loads it too: keep one module
+        return sys.modules["patched_tree"]
+    spec = importlib.util.spec_from_file_location("patched_tree", REPO / "patches" / "tools" / "patched_tree.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+pt = _load_patched_tree()
+
+
 def _installed_site_packages() -> Path:
     import verl
 
@@ -50,23 +65,21 @@ def _installed_site_packages() -> Path:
 
 # ------------------------------------------------------------------------------------------------- the diff
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is needed for `git apply`")
-def test_diff_applies_cleanly_to_the_installed_verl():
+def test_diff_applies_cleanly_to_the_installed_verl(tmp_path):
     site = _installed_site_packages()
     # A venv inside a git work tree puts site-packages in that tree, where `git apply` would skip every path outside
-    # the current directory (and pass vacuously); the ceiling keeps git from finding the enclosing repository.
-    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(site.parent))
-    proc = subprocess.run(
-        ["git", "apply", "--check", "-p1", str(DIFF)], cwd=site, env=env, capture_output=True, text=True
+    # the current directory (and pass vacuously); check_diff's ceiling keeps git from finding the enclosing repository,
+    # and the bogus diff below proves that the check can fail here.
+    checked = pt.check_diff(site, DIFF)
+    assert checked.ok, checked.message
+    bogus = tmp_path / DIFF.name
+    bogus.write_text(
+        DIFF.read_text().replace(
+            " from verl.utils.device import get_device_id,", " from verl.utils.device import nothing,", 1
+        )
     )
-    assert proc.returncode == 0, proc.stderr
-    bogus = DIFF.read_text().replace(
-        " from verl.utils.device import get_device_id,", " from verl.utils.device import nothing,", 1
-    )
-    assert bogus != DIFF.read_text()
-    proc = subprocess.run(
-        ["git", "apply", "--check", "-p1", "-"], input=bogus, cwd=site, env=env, text=True, capture_output=True
-    )
-    assert proc.returncode != 0, "git apply --check must be able to fail here"
+    assert bogus.read_text() != DIFF.read_text()
+    assert not pt.check_diff(site, bogus).ok, "git apply --check must be able to fail here"
 
 
 @pytest.mark.parametrize("diff,touched", [(DIFF, TOUCHED), (MAIN_DIFF, MAIN_TOUCHED)], ids=["0.9.1", "main"])
@@ -113,8 +126,8 @@ def test_diff_stacks_with_every_other_patch_in_either_order(tmp_path, other, min
             (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(site / rel, tmp_path / rel)
     for diff in (DIFF, other) if mine_first else (other, DIFF):
-        proc = subprocess.run(["git", "apply", "-p1", str(diff)], cwd=tmp_path, capture_output=True, text=True)
-        assert proc.returncode == 0, f"{diff.name} after the other one: {proc.stderr}"
+        applied = pt.apply_diff(tmp_path, diff)
+        assert applied.ok, f"{diff.name} after the other one: {applied.message}"
 
 
 @pytest.fixture(scope="module")
@@ -122,13 +135,10 @@ def patched_verl(tmp_path_factory) -> Path:
     """A copy of the installed verl package with the diff applied; returns the directory that holds ``verl/``."""
     if shutil.which("git") is None:
         pytest.skip("git is needed for `git apply`")
-    root = tmp_path_factory.mktemp("patched")
-    shutil.copytree(
-        _installed_site_packages() / "verl", root / "verl", ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
-    )
-    proc = subprocess.run(["git", "apply", "-p1", str(DIFF)], cwd=root, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    return root
+    try:  # the whole diff: its own tests and docs page land beside verl/, as in a verl checkout
+        return pt.patched_copy(tmp_path_factory.mktemp("patched"), [DIFF], source=_installed_site_packages() / "verl")
+    except pt.DiffDoesNotApply as exc:
+        pytest.fail(str(exc))
 
 
 def _run_check(root: Path, name: str, timeout: int = 480) -> dict:
