@@ -145,20 +145,26 @@ def measure(shape: Shape, max_prompt: int, max_response: int, varied: bool, grou
     v1_bytes = sum(f["routed_experts"].nbytes for f in int16)
     compact_bytes = sum(f[ROUTING_IDS_KEY].nbytes + f[ROUTING_LAYOUT_KEY].nbytes for f in compact)
 
-    def shared_bytes(stored: list[dict], min_bytes: int) -> tuple[int, int]:
-        """Bytes stored with prompt rows once (samples' routing + layout + reference, plus the side entries)."""
-        sharing, total, shared_groups = PromptRowsSharing(min_bytes), 0, 0
+    def share_groups(stored: list[dict], min_bytes: int) -> tuple[list[dict], list]:
+        """Each sample's tensor fields as stored with prompt rows once, and the side entries put (one per shared
+        group)."""
+        sharing, kept, entries = PromptRowsSharing(min_bytes), [], []
         for g in range(groups):
             sharing.open_group("train", f"g{g}", n)
             for s in range(n):
                 fields = {k: v for k, v in stored[g * n + s].items() if isinstance(v, torch.Tensor)}
                 entry = sharing.share_(fields, prompt_lens[g * n + s], "train", f"g{g}")
                 if entry is not None:
-                    total += entry.rows.nbytes
-                    shared_groups += 1
-                for name in ("routed_experts", ROUTING_IDS_KEY, ROUTING_LAYOUT_KEY, PROMPT_REF_KEY):
-                    total += fields[name].nbytes if name in fields else 0
-        return total, shared_groups
+                    entries.append(entry)
+                kept.append(fields)
+        return kept, entries
+
+    def shared_bytes(stored: list[dict], min_bytes: int) -> tuple[int, int]:
+        """Bytes stored with prompt rows once (samples' routing + layout + reference, plus the side entries)."""
+        kept, entries = share_groups(stored, min_bytes)
+        names = ("routed_experts", ROUTING_IDS_KEY, ROUTING_LAYOUT_KEY, PROMPT_REF_KEY)
+        samples = sum(fields[name].nbytes for fields in kept for name in names if name in fields)
+        return samples + sum(entry.rows.nbytes for entry in entries), len(entries)
 
     sizes = f"prompt U[{max_prompt // 8}, {max_prompt}] per group, response U[{max_response // 8}, {max_response}]"
     sizes = sizes if varied else f"prompt {max_prompt} + response {max_response}"
@@ -191,15 +197,8 @@ def measure(shape: Shape, max_prompt: int, max_response: int, varied: bool, grou
     side: dict[str, torch.Tensor] = {}
 
     def split_all() -> list[dict]:
-        sharing, stored = PromptRowsSharing(0), []
-        for g in range(groups):
-            sharing.open_group("train", f"g{g}", n)
-            for s in range(n):
-                fields = {k: v for k, v in compact[g * n + s].items() if isinstance(v, torch.Tensor)}
-                entry = sharing.share_(fields, prompt_lens[g * n + s], "train", f"g{g}")
-                if entry is not None:
-                    side[entry.key] = entry.rows
-                stored.append(fields)
+        stored, entries = share_groups(compact, 0)
+        side.update((entry.key, entry.rows) for entry in entries)
         return stored
 
     t_split = median_ms(split_all, reps)

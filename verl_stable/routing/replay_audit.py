@@ -412,9 +412,8 @@ def _rows_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``(a != b).any(dim=-1)`` for two bool tensors of one shape, a word of flags at a time where they allow it."""
     words_a, words_b = _words(a), _words(b)
     if words_a is None or words_b is None or words_a.dtype != words_b.dtype:
-        return (a != b).any(dim=-1)
-    differ = words_a != words_b
-    return differ.squeeze(-1) if differ.shape[-1] == 1 else differ.any(dim=-1)
+        return _any_last(a != b)
+    return _any_last(words_a != words_b)
 
 
 def disagreement_metrics(replayed: Sequence[float], differ: Sequence[float]) -> dict[str, float]:
