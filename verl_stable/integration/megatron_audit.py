@@ -85,7 +85,7 @@ class Audit:
 
     def vector(self) -> torch.Tensor:
         if self.slot not in self.counts:
-            self.counts[self.slot] = torch.zeros(self.width, dtype=torch.long, device=self.device)
+            self.counts[self.slot] = torch.zeros(self.width - EXTRA, dtype=torch.long, device=self.device)
         return self.counts[self.slot]
 
     def flush(self) -> None:
@@ -152,7 +152,7 @@ class Audit:
         slots = max(self.calls.values(), default=0)
         table = torch.zeros(slots, self.width, dtype=torch.long, device=self.device)
         for slot, vector in self.counts.items():
-            table[slot] += vector
+            table[slot, :-EXTRA] += vector
         for slot, counters in self.counters.items():
             if any(counters):
                 table[slot, -EXTRA:] += torch.tensor(counters, device=self.device)
