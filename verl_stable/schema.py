@@ -203,6 +203,7 @@ class MonitorOptions(_Strict):
     )
     entropy_window: Annotated[int, Field(ge=2, le=MAX_WINDOW)] = 5
     routing_interval: NonNegativeInt = 1
+    replay_metrics_interval: NonNegativeInt = 1
     num_experts: Annotated[int, Field(ge=1, le=MAX_EXPERTS)] | None = None
     train_routing_field: Name | None = None
     per_update: bool = True

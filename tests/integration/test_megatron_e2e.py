@@ -2,8 +2,9 @@
 ``recipes/megatron/minirl_n4_r3.yaml`` (MiniRL at N = 4, R3 through verl's own Megatron router replay) with **vLLM's
 CPU build** as the rollout, and ``recipes/megatron/minirl_n2_r2.yaml`` (N = 2, R2: verl records pi_old's routing in the
 log-prob pass and replays it in both update mini-steps) with the project's ``hf`` rollout, exactly as
-``verl-stable recipe run-cpu megatron/<recipe> [--engine vllm]`` does. One run per recipe (2 steps each), shared by
-the assertions on it.
+``verl-stable recipe run-cpu megatron/<recipe> [--engine vllm]`` does. One run per recipe (R3: 2 steps; R2: 3 steps
+with ``stable.monitor.replay_metrics_interval=2``, so the actor measures steps 1 and 3 and step 2 is verl's replay
+alone), shared by the assertions on it.
 
 R3 run, at pipeline parallel 2 (two actor ranks, two layers each; the layout MoE models train at): the run completes;
 verl's Megatron engine replays on every stage's MoE layers; vLLM's routed experts reach the
@@ -42,10 +43,10 @@ KL_FLOOR = 5e-6
 ROUTER_RULE = "+stable.guard.rules.router_drift"
 
 
-def _run(tmp_path_factory, recipe: str, engine: str = "hf", overrides: tuple[str, ...] = ()):
+def _run(tmp_path_factory, recipe: str, engine: str = "hf", overrides: tuple[str, ...] = (), steps: int = STEPS):
     """``verl-stable recipe run-cpu megatron/<recipe> --engine <engine>``: exit code, log, per-step metrics."""
     workdir = tmp_path_factory.mktemp(recipe)
-    rc = launch.run_recipe(recipe, workdir, overrides, steps=STEPS, backend="megatron", engine=engine)
+    rc = launch.run_recipe(recipe, workdir, overrides, steps=steps, backend="megatron", engine=engine)
     run = workdir / "run"
     log = (run / "main_ppo.log").read_text()
     rows = launch.read_metrics(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
@@ -125,19 +126,44 @@ def test_the_routers_own_choice_is_measured_against_vllms_routing_and_guarded(me
         assert row["stable/guard/router_drift"] == 0.0  # the user's rule was evaluated on Megatron, and is quiet
 
 
+# the R2 run measures its replay metrics at steps 1 and 3 only (stable.monitor.replay_metrics_interval=2)
+R2_STEPS = 3
+R2_MEASURED = (1, 3)
+
+
+def _trainer_routing_metric(name: str) -> bool:
+    """The routing metrics a step logs without the actor's measurement: the trainer's own (transport, load)."""
+    return name.startswith(("stable/routing/transport/", "stable/routing/load/", "stable/routing/rollout_vs_train/"))
+
+
 @pytest.fixture(scope="module")
 def megatron_r2_run(tmp_path_factory):
-    return _run(tmp_path_factory, "minirl_n2_r2")
+    return _run(
+        tmp_path_factory, "minirl_n2_r2", overrides=("+stable.monitor.replay_metrics_interval=2",), steps=R2_STEPS
+    )
 
 
 def test_the_r2_recipe_replays_pi_olds_recorded_routing_in_both_mini_steps(megatron_r2_run):
     rc, log, rows = megatron_r2_run
     assert rc == 0, log[-4000:]
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in rows] == list(range(1, R2_STEPS + 1))
     for row in rows:
         # N = 2: two update mini-steps, each replaying what verl's log-prob pass recorded (the targets verl set)
         assert {f"stable/staleness/update_{i}/kl_k3" for i in range(2)} <= set(row), sorted(row)
         assert "stable/staleness/update_2/kl_k3" not in row
+        if row["step"] not in R2_MEASURED:
+            # a step the trainer sampled out: verl replayed (the policy still trains: staleness and loss logged
+            # above and below) and the actor measured nothing: no replay metric, and the optional replay_coverage rule
+            # has nothing to judge (its flag stays 0)
+            actors = [
+                k
+                for k in row
+                if k.startswith(("stable/routing/", "actor/stable/routing/")) and not _trainer_routing_metric(k)
+            ]
+            assert not actors, actors
+            assert "stable/routing/coverage/response_replayed" not in row and row["stable/guard/replay_coverage"] == 0.0
+            assert 0 < row["actor/grad_norm"] < 10
+            continue
         assert row["stable/routing/disagreement"] == 0.0, json.dumps(row)[:3000]
         assert row["stable/routing/replayed_rows"] > 0
         assert row["stable/routing/coverage/response_replayed"] == 1.0

@@ -370,6 +370,7 @@ def test_trainer_sums_coverage_over_mini_steps_and_local_updates(tmp_path):
     with initialize_config_dir(config_dir=config_dir, version_base=None):
         cfg = compose(config_name="ppo_trainer", overrides=["trainer.v1.trainer_mode=stable_sync"])
     trainer = get_trainer_cls("stable_sync")(cfg)
+    trainer.global_steps = 1  # verl's fit sets it before the first step
     per_mini_step = {f"{COVERAGE}/{k}": [v, v] for k, v in _counts().items()}  # two mini-steps
     trainer.actor_rollout_wg = _ActorWorkerGroup({**per_mini_step, "mfu": [0.1, 0.1]})
     trainer._stable_coverage = {}

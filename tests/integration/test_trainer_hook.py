@@ -67,6 +67,31 @@ def test_monitored_trainer_behaves_as_its_base_mode(sync_trainer):
     )
 
 
+@pytest.mark.parametrize(("interval", "measured_steps"), [(1, [1, 2, 3, 4, 5]), (2, [1, 3, 5]), (3, [1, 4]), (0, [])])
+def test_the_trainer_tells_the_actor_which_steps_measure_replay_metrics(registered, tmp_path, interval, measured_steps):
+    """``stable.monitor.replay_metrics_interval``: step 1 and every N-th after it carry ``stable_replay_metrics=True``
+    in the batch's ``extra_info`` (which verl hands the engine as non-tensor data), the other steps ``False``."""
+    from transfer_queue import KVBatchMeta
+
+    from verl_stable.integration.megatron_replay import REPLAY_METRICS_FLAG
+    from verl_stable.recipes.compose import compose_recipe
+
+    cfg = compose_recipe(
+        "megatron",
+        "minirl_n4_r3",
+        [f"trainer.default_local_dir={tmp_path}", f"+stable.monitor.replay_metrics_interval={interval}"],
+    )
+    trainer = get_trainer_cls(cfg.trainer.v1.trainer_mode)(cfg)
+    seen = []
+    for step in range(1, 6):
+        trainer.global_steps = step
+        batch = KVBatchMeta(partition_id="train", keys=["a"], tags=[{}])
+        trainer._stable_mark_replay_metrics(batch)
+        if batch.extra_info[REPLAY_METRICS_FLAG]:
+            seen.append(step)
+    assert seen == measured_steps
+
+
 def test_stable_config_from_yaml_shape_and_errors():
     cfg = _config("+stable.monitor.taus=[2,3]", "+stable.guard.enable=false")
     parsed = S.StableConfig.from_trainer_config(cfg)
@@ -362,6 +387,7 @@ def test_per_update_metrics_can_be_switched_off(registered, tmp_path):
 
     cfg = _config("trainer.v1.trainer_mode=stable_sync", "+stable.monitor.per_update=false")
     trainer = get_trainer_cls("stable_sync")(cfg)
+    trainer.global_steps = 1  # verl's fit sets it before the first step
     trainer.actor_rollout_wg = _ActorWorkerGroup({"stable/routing/r2_drift": [0.0, 0.25], "mfu": [0.1, 0.1]})
     metrics = {}
     trainer._update_actor(KVBatchMeta(partition_id="train", keys=["a"], tags=[{}]), metrics)
@@ -375,7 +401,7 @@ def test_every_registered_trainer_has_the_hooks_over_verls_trainer_of_its_mode(r
     module_name, class_name = T.BASE_TRAINERS[base_mode]
     base = getattr(__import__(module_name, fromlist=[class_name]), class_name)
     assert cls.__mro__[1:4] == (T.StabilityMonitorMixin, GuardActionsMixin, base)
-    for hook in ("_compute_metrics", "_update_actor", "step", "fit"):
+    for hook in ("_compute_metrics", "_update_actor", "_compute_old_log_prob", "_compute_ref_log_prob", "step", "fit"):
         assert getattr(cls, hook) is getattr(T.StabilityMonitorMixin, hook), hook
     for hook in ("_save_checkpoint", "_load_checkpoint"):  # the guard's run state beside verl's checkpoints
         assert getattr(cls, hook) is getattr(GuardActionsMixin, hook), hook

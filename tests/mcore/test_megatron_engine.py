@@ -346,7 +346,7 @@ def _engine_body(rank: int, tmp: str, port: int, layout: Layout, model_dir: str)
     probe = RouterProbe(engine)
     data = padded_batch()
 
-    def batch(routes: torch.Tensor | None, replay: bool = True) -> TensorDict:
+    def batch(routes: torch.Tensor | None, replay: bool = True, measured: bool | None = None) -> TensorDict:
         fields = {k: v.clone() for k, v in data.items() if k != "routes"}
         if routes is not None and routes.is_nested:
             td = left_right_2_no_padding(TensorDict(fields, batch_size=[len(PROMPT_LENS)]))
@@ -363,6 +363,8 @@ def _engine_body(rank: int, tmp: str, port: int, layout: Layout, model_dir: str)
             micro_batch_size_per_gpu=MICRO_BATCH,
             enable_routing_replay=replay,
         )
+        if measured is not None:  # what the monitored trainer sets each step (stable.monitor.replay_metrics_interval)
+            tu.assign_non_tensor(td, **{megatron_replay.REPLAY_METRICS_FLAG: measured})
         return td
 
     def loss_fn(model_output, data, dp_group=None):
@@ -413,6 +415,10 @@ def _engine_body(rank: int, tmp: str, port: int, layout: Layout, model_dir: str)
     report_["metrics"]["r3_forward"] = plain(out.get("metrics", {}))
     if out:
         report_["log_probs"] = [t.float().clone() for t in out["model_output"]["log_probs"].unbind()]
+    out = forward("r3_unmeasured", batch(data["routes"], measured=False))
+    report_["metrics"]["r3_unmeasured"] = plain(out.get("metrics", {}))
+    if out:
+        report_["log_probs_unmeasured"] = [t.float().clone() for t in out["model_output"]["log_probs"].unbind()]
     out, report_["r3_changed"] = update("r3_update", batch(data["routes"]))
     report_["metrics"]["r3_update"] = plain(out.get("metrics", {}))
     report_["exported_after_update"] = _export(engine)
@@ -637,6 +643,19 @@ def test_r3_forward_and_update_use_the_given_routes_and_keep_each_final_row_nati
         _check_metrics(ranks, tp, phase, replayed_under_r3, pads_replayed=False)
     # the final row of every sequence is not replayed (checked native above): one row per sample
     assert sum(1 for s in range(len(PROMPT_LENS)) for j in range(lengths()[s]) if not replayed_under_r3(s, j)) == 4
+
+
+def test_a_pass_the_trainer_samples_out_replays_as_verl_does_and_measures_nothing(layout):
+    """``stable.monitor.replay_metrics_interval``: a pass whose batch says ``stable_replay_metrics=False`` is verl's
+    replay alone -- the same routes used, the same log-probs bit for bit -- and returns no replay metric."""
+    tp, ranks = layout
+    routes = token_routes(padded_batch()["routes"])
+    _check_replayed(ranks, tp, "r3_unmeasured", routes, replayed_under_r3, native_elsewhere=True)
+    for r in returning(ranks):
+        assert r["metrics"]["r3_forward"] and r["metrics"]["r3_unmeasured"] == {}
+        assert len(r["log_probs_unmeasured"]) == len(r["log_probs"])
+        for a, b in zip(r["log_probs_unmeasured"], r["log_probs"], strict=True):
+            assert torch.equal(a, b)
 
 
 def test_a_route_shifted_within_its_sequence_is_followed_and_caught(layout):

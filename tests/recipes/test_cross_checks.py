@@ -212,6 +212,41 @@ def test_r3_without_the_rollouts_routing_export_is_refused(backend):
     assert "enable_rollout_routing_replay=false" in problem
 
 
+@pytest.mark.parametrize(
+    ("recipe", "overrides", "message"),
+    [
+        (("fsdp", "minirl_n4_r3"), [], r"the fsdp engine measures them as part of its replay, every pass: remove it"),
+        (
+            ("megatron", "minirl_onpolicy"),
+            [],
+            r"actor_rollout_ref\.actor\.megatron\.router_replay\.mode=disabled replays nothing: remove it",
+        ),
+    ],
+)
+def test_a_replay_metrics_interval_with_no_megatron_replay_to_sample_is_refused(recipe, overrides, message):
+    cfg = compose_recipe(*recipe, ["+stable.monitor.replay_metrics_interval=4", *overrides])
+    (problem,) = replay_problems(cfg)
+    assert problem.startswith("stable.monitor.replay_metrics_interval=4 samples") and re.search(message, problem)
+    # 1 (the default: every step) is accepted anywhere; on Megatron under replay any interval takes effect
+    assert replay_problems(compose_recipe(*recipe, ["+stable.monitor.replay_metrics_interval=1"])) == []
+    assert (
+        replay_problems(compose_recipe("megatron", "minirl_n4_r3", ["+stable.monitor.replay_metrics_interval=4"])) == []
+    )
+
+
+def test_a_replay_rule_on_megatron_whose_metrics_are_never_measured_is_refused():
+    rule = _new_rule("cov", "stable/routing/coverage/response_replayed", condition="below")
+    megatron = ("megatron", "minirl_n4_r3")
+    assert rule_metric_problems(_cfg(rule, "+stable.monitor.replay_metrics_interval=3", recipe=megatron)) == []
+    (problem,) = rule_metric_problems(_cfg(rule, "+stable.monitor.replay_metrics_interval=0", recipe=megatron))
+    assert problem.startswith(f"{RULE}.cov") and "replay_metrics_interval > 0" in problem
+    shape = run_shape(_cfg("+stable.monitor.replay_metrics_interval=0", recipe=megatron))
+    assert shape.replays and not shape.replay_measured
+    # the run's own metrics: none of the actor's replay families is predicted any more
+    assert not logged.logged_by("stable/routing/disagreement", shape)
+    assert logged.logged_by("stable/routing/disagreement", run_shape(_cfg(recipe=megatron)))
+
+
 def test_r2_in_bypass_mode_is_refused():
     cfg = compose_recipe("fsdp", "minirl_n2_r2", ["algorithm.rollout_correction.bypass_mode=true"])
     assert any("R2 records routing in the pi_old pass" in p for p in replay_problems(cfg))

@@ -47,6 +47,10 @@ into the sum over ranks and micro-batches and the trainer's ``coverage_totals`` 
 are relabelled per micro-batch as FSDP's ``forward_step`` does
 (:func:`verl_stable.integration.losses.relabel_stable_metrics`).
 
+Sampling: a batch whose non-tensor :data:`REPLAY_METRICS_FLAG` is false (the monitored trainers set it from
+``stable.monitor.replay_metrics_interval``: step 1 and every N-th step after it measured) goes to verl untouched --
+no hook, no tap, no metric.
+
 Parallelism: each rank counts the rows its routers saw; at the end of ``forward_backward_batch`` the per-micro-batch
 counts are summed over the groups that split them (the pipeline group: disjoint layers; the tensor group under
 sequence parallelism and the context group: disjoint rows), which every rank of those groups reaches, and attached
@@ -111,6 +115,7 @@ __all__ = [
     "ENGINE_MODULE",
     "ENGINE_PACKAGE",
     "MODEL_TYPE",
+    "REPLAY_METRICS_FLAG",
     "VENDOR_KEYS",
     "MegatronReplayMetricsMixin",
     "engine_class",
@@ -121,6 +126,10 @@ __all__ = [
 logger = logging.getLogger("verl_stable")
 
 ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
+REPLAY_METRICS_FLAG = "stable_replay_metrics"
+"""The batch's non-tensor flag (verl's ``extra_info``) that says whether this pass's replay metrics are measured: the
+monitored trainers set it each step from ``stable.monitor.replay_metrics_interval``; absent (verl's own trainers):
+measured."""
 # model_type -> verl's class in ENGINE_MODULE
 BASES = {"language_model": "MegatronEngineWithLMHead", "value_model": "MegatronEngineWithValueHead"}
 REPLAY_SUFFIX = "Replay"
@@ -212,6 +221,8 @@ class MegatronReplayMetricsMixin:
             return False
         if not tu.get_non_tensor_data(data=data, key="enable_routing_replay", default=False):
             return False
+        if not tu.get_non_tensor_data(data=data, key=REPLAY_METRICS_FLAG, default=True):
+            return False  # a step the trainer samples out (stable.monitor.replay_metrics_interval): verl's replay only
         if getattr(self.engine_config, "dynamic_context_parallel", False):
             self._warn_once("dcp", "router replay metrics are not measured under dynamic context parallelism")
             return False

@@ -215,6 +215,22 @@ class StabilityMonitorMixin(GuardActionsMixin):
         self._stable_coverage: dict[str, float] = {}
         return super().step(metrics, timing_raw)
 
+    def _stable_mark_replay_metrics(self, batch) -> None:
+        """Tell the actor whether this step's passes measure their routing-replay metrics
+        (``stable.monitor.replay_metrics_interval``; :data:`~verl_stable.integration.megatron_replay.REPLAY_METRICS_FLAG`,
+        which verl hands the engine with the batch's other ``extra_info``)."""
+        from verl_stable.integration.megatron_replay import REPLAY_METRICS_FLAG
+
+        batch.extra_info[REPLAY_METRICS_FLAG] = self._stable_state().wants_replay_metrics(self.global_steps)
+
+    def _compute_old_log_prob(self, batch, metrics):
+        self._stable_mark_replay_metrics(batch)
+        return super()._compute_old_log_prob(batch, metrics)
+
+    def _compute_ref_log_prob(self, batch, metrics):
+        self._stable_mark_replay_metrics(batch)
+        return super()._compute_ref_log_prob(batch, metrics)
+
     def _update_actor(self, batch, metrics):
         """verl's actor update, plus from its unreduced output the replay-coverage totals (:func:`coverage_totals`)
         and the per-mini-step metrics (:func:`per_update_metrics`).
@@ -224,6 +240,7 @@ class StabilityMonitorMixin(GuardActionsMixin):
         weights and optimizer state stay as they are, and the rollout's next weight sync sends them unchanged.
         """
         monitor = self._stable_state()
+        self._stable_mark_replay_metrics(batch)
         if monitor.skips_updates:
             fetched, known = None, dict(metrics)
             if monitor.config.monitor.enable:

@@ -84,6 +84,8 @@ class RunShape:
         monitor: ``monitored`` and ``stable.monitor.enable``.
         taus: ``stable.monitor.taus``.
         routing_interval: ``stable.monitor.routing_interval`` (0: routing never fetched).
+        replay_metrics_interval: ``stable.monitor.replay_metrics_interval`` (0: the Megatron actor never measures its
+            replay metrics; otherwise step 1 and every N-th after it, so every run logs them at step 1).
         train_routing_field: ``stable.monitor.train_routing_field``.
         per_update: ``stable.monitor.per_update``.
         rules: the guard's active rules ``(name, action)``; empty when the guard is off or the run unmonitored.
@@ -103,6 +105,7 @@ class RunShape:
     monitor: bool = True
     taus: tuple[float, ...] = (2.0, 5.0)
     routing_interval: int = 1
+    replay_metrics_interval: int = 1
     train_routing_field: str | None = None
     per_update: bool = True
     rules: tuple[tuple[str, str], ...] = ()
@@ -143,6 +146,7 @@ class RunShape:
             monitor=monitored and enable,
             taus=tuple(float(t) for t in config_get(monitor_block, "taus", (2.0, 5.0))),
             routing_interval=int(config_get(monitor_block, "routing_interval", 1)),
+            replay_metrics_interval=int(config_get(monitor_block, "replay_metrics_interval", 1)),
             train_routing_field=config_get(monitor_block, "train_routing_field", None),
             per_update=bool(config_get(monitor_block, "per_update", True)),
             rules=tuple(rules) if monitored else (),
@@ -161,6 +165,11 @@ class RunShape:
     def replays(self) -> bool:
         """R2 or R3 is on."""
         return self.replay in ("R2", "R3")
+
+    @property
+    def replay_measured(self) -> bool:
+        """R2 or R3 is on and the actor measures it (the Megatron actor not with ``replay_metrics_interval`` 0)."""
+        return self.replays and (self.backend != "megatron" or self.replay_metrics_interval > 0)
 
     @property
     def train_inference(self) -> bool:
@@ -220,13 +229,15 @@ _ENGINE = (
     "the actor's routing metrics need routing replay (router_replay.mode=R2|R3) or, on the FSDP engine, the "
     "rollout's routing export (actor_rollout_ref.rollout.enable_rollout_routing_replay=true)"
 )
-_REPLAY = "replay metrics need router_replay.mode=R2 or R3"
+_REPLAY = (
+    "replay metrics need router_replay.mode=R2 or R3 (on Megatron also stable.monitor.replay_metrics_interval > 0)"
+)
 _STALENESS = "staleness is measured by the minirl and vespo losses (actor.policy_loss.loss_mode=minirl|vespo)"
 _PER_UPDATE = "per-update metrics need stable.monitor.per_update=true"
 
 
 def _engine_routing(s: RunShape) -> bool:
-    return s.monitored and (s.replays or (s.backend != "megatron" and s.rollout_routing))
+    return s.monitored and (s.replay_measured or (s.backend != "megatron" and s.rollout_routing))
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -297,17 +308,17 @@ FAMILIES: tuple[Family, ...] = (
         _ENGINE + " (these counts: the FSDP engine)",
         example="stable/routing/missing_rows",
     ),
-    Family(r"stable/routing/replayed_rows", lambda s: s.monitored and s.replays, _REPLAY, example=""),
+    Family(r"stable/routing/replayed_rows", lambda s: s.monitored and s.replay_measured, _REPLAY, example=""),
     Family(
         r"stable/routing/r2_drift(?:/layer_\d+)?",
-        lambda s: s.monitored and s.replay == "R2",
-        "R2 drift needs router_replay.mode=R2",
+        lambda s: s.monitored and s.replay_measured and s.replay == "R2",
+        "R2 drift needs router_replay.mode=R2 (on Megatron also stable.monitor.replay_metrics_interval > 0)",
         example="stable/routing/r2_drift",
     ),
     Family(
         r"stable/routing/recorded_rows",
-        lambda s: s.monitored and s.replay == "R2",
-        "recorded rows need router_replay.mode=R2",
+        lambda s: s.monitored and s.replay_measured and s.replay == "R2",
+        "recorded rows need router_replay.mode=R2 (on Megatron also stable.monitor.replay_metrics_interval > 0)",
         every_run=False,  # counted in the pi_old pass, whose metrics verl does not always log
     ),
     Family(
@@ -323,7 +334,7 @@ FAMILIES: tuple[Family, ...] = (
                 "padding",
             )
         ),
-        lambda s: s.monitored and s.replays,
+        lambda s: s.monitored and s.replay_measured,
         _REPLAY,
         example="stable/routing/coverage/response_replayed",
     ),
@@ -362,8 +373,9 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         r"stable/routing/update_\d+/r2_drift",
-        lambda s: s.monitor and s.per_update and s.replay == "R2",
-        "R2 drift needs router_replay.mode=R2; " + _PER_UPDATE,
+        lambda s: s.monitor and s.per_update and s.replay_measured and s.replay == "R2",
+        "R2 drift needs router_replay.mode=R2 (on Megatron also stable.monitor.replay_metrics_interval > 0); "
+        + _PER_UPDATE,
     ),
     Family(r"actor/MiniRL/[A-Za-z0-9_]+", lambda s: s.loss_mode == "minirl", "the minirl loss", example=""),
     Family(r"actor/vespo/[A-Za-z0-9_]+", lambda s: s.loss_mode == "vespo", "the vespo loss", example=""),

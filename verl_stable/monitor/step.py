@@ -11,7 +11,7 @@ not): in a recipe YAML next to ``defaults: [ppo_trainer, _self_]``, or ``+stable
 .threshold=0.02`` on the command line::
 
     stable:
-      monitor: {enable: true, taus: [2, 5], entropy_window: 5, routing_interval: 1,
+      monitor: {enable: true, taus: [2, 5], entropy_window: 5, routing_interval: 1, replay_metrics_interval: 1,
                 num_experts: null, train_routing_field: null, per_update: true}
       guard:   {enable: true, rules: {...}}        # see Guard.from_config
 
@@ -82,6 +82,12 @@ class MonitorConfig:
         entropy_window: steps in the window of ``stable/entropy/slope``.
         routing_interval: fetch routed experts every N steps for routing metrics (0: never). The rollout's
             ``routed_experts`` is [tokens, layers, top_k] per sample; fetching it costs driver memory.
+        replay_metrics_interval: the Megatron actor measures its routing-replay metrics (``stable/routing/...``:
+            disagreement, the router's own choice, coverage) at step 1 and every N-th step after it, 1 + kN (1: every
+            step; 0: never). The other steps replay exactly as verl does and log none of them, so the guard's rules on
+            them (``replay_coverage``) judge the measured steps only. Measuring costs ~2 % of a pass on the CPU
+            runtime's tiny model (docs/explanation/benchmarks.md); the FSDP engine measures as part of its replay
+            and refuses any value but 1.
         num_experts: routed experts per MoE layer (inferred from the ids when ``None``: a lower bound).
         train_routing_field: TransferQueue field with the training engine's routing, laid out like
             ``routed_experts``; when present, rollout-vs-training disagreement is logged.
@@ -93,6 +99,7 @@ class MonitorConfig:
     taus: tuple[float, ...] = M.DEFAULT_TAUS
     entropy_window: int = 5
     routing_interval: int = 1
+    replay_metrics_interval: int = 1
     num_experts: int | None = None
     train_routing_field: str | None = None
     per_update: bool = True
@@ -266,6 +273,12 @@ class StepMonitor:
         """Whether this step's routing fields should be fetched."""
         interval = self.config.monitor.routing_interval
         return self.config.monitor.enable and interval > 0 and step % interval == 0
+
+    def wants_replay_metrics(self, step: int) -> bool:
+        """Whether the actor measures its routing-replay metrics at ``step`` (1-based): step 1, then every
+        ``replay_metrics_interval``-th step (the monitor switch does not matter: the actor's metrics are its own)."""
+        interval = self.config.monitor.replay_metrics_interval
+        return interval > 0 and (step - 1) % interval == 0
 
     def batch_metrics(self, batch: MonitorBatch, record: bool = True) -> dict[str, float]:
         """The ``stable/`` metrics of one step's batch (each group skipped when its fields are absent).

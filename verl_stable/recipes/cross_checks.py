@@ -16,7 +16,8 @@ have started. One function per class of problem; each returns messages naming th
    trainer cannot carry out (roll back in an async mode, or with no checkpoint to go back to).
 4. :func:`rollout_correction_problems`: the run's own ``algorithm.rollout_correction``, judged by verl's own code
    on three tokens as at step 1 (a NaN or negative threshold, an unknown rejection-sampling name).
-5. :func:`replay_problems`: R3 without the rollout's routing export, R2 in bypass mode.
+5. :func:`replay_problems`: R3 without the rollout's routing export, R2 in bypass mode, a replay-metrics interval
+   where there is no Megatron replay to sample.
 6. :mod:`verl_stable.recipes.geometry`: parallel sizes that do not divide the world, layouts the CPU runtime cannot
    run exactly, and batch sizes that do not split over the data-parallel ranks and their micro-batches.
 
@@ -50,6 +51,7 @@ __all__ = [
 RULES_KEY = "stable.guard.rules"
 CORRECTION_KEY = "algorithm.rollout_correction"
 ROLLOUT_ROUTING_KEY = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
+REPLAY_METRICS_INTERVAL_KEY = "stable.monitor.replay_metrics_interval"
 RULE_OPTIONS_BY_ACTION: dict[str, str] = {"max_skips": "skip_update", "max_rollbacks": "rollback"}
 """Rule options that only one action reads."""
 SLOPE_OPTIONS: tuple[str, ...] = ("window", "slope_tolerance")
@@ -295,6 +297,16 @@ def replay_problems(cfg: Any) -> list[str]:
             f"{key}=R2 records routing in the pi_old pass, which {CORRECTION_KEY}.bypass_mode=true skips: use R3 or "
             "bypass_mode=false"
         )
+    shape = logged.RunShape.from_config(cfg)
+    if shape.monitored and shape.replay_metrics_interval != 1:
+        given = f"{REPLAY_METRICS_INTERVAL_KEY}={shape.replay_metrics_interval}"
+        if shape.backend != "megatron":
+            problems.append(
+                f"{given} samples the Megatron actor's replay metrics; the {shape.backend} engine measures them as "
+                "part of its replay, every pass: remove it"
+            )
+        elif not shape.replays:
+            problems.append(f"{given} samples the replay metrics, but {key}={mode} replays nothing: remove it")
     return problems
 
 
