@@ -20,7 +20,11 @@ of the two equally often):
   routers, so the expert work is identical to ``off``; the script checks that replay reproduces ``off``'s log-probs
   (and that random routes move them, so the replay is really on);
 * ``R3+metrics``: the same through the engine class the project registers (verl's engine with the replay metrics of
-  ``verl_stable.integration.megatron_replay``), i.e. replay as a verl-stable run does it.
+  ``verl_stable.integration.megatron_replay``), i.e. replay as a verl-stable run does it. With ``--interval N`` a
+  round stands for a training step and the metrics measure one round in N, as
+  ``stable.monitor.replay_metrics_interval=N`` does (the other rounds' batches say ``stable_replay_metrics=False``;
+  ``R3`` runs on that same batch object): printed besides, the ratio per block of N rounds and the measured and
+  sampled-out rounds apart.
 
 The patch is process-wide, so ``off`` lives in one spawned process and ``idle`` / ``R3`` in another (two gloo
 worlds of one rank each); the parent sends one pass at a time, so the two never run at once. Each pass's time is
@@ -44,7 +48,10 @@ recipe's lengths and at long lengths, and for Qwen3-30B-A3B's shape (48 layers, 
   prompt rows once in a side entry when that saves at least ``share_prompt_rows_min_bytes``), and the same with every
   group sharing. The per-sample boundary counters go to the driver's monitor only and are not counted.
 
-Run: ``python benchmarks/bench_megatron_replay.py [--rounds 20] [--threads 1] [--bytes-only]``
+Each pass also reports the thread CPU time spent in Python's garbage collector (a collection lands on whichever pass
+allocates past the threshold, whoever made the garbage).
+
+Run: ``python benchmarks/bench_megatron_replay.py [--rounds 20] [--threads 1] [--interval 1] [--bytes-only]``
 """
 
 from __future__ import annotations
@@ -198,10 +205,13 @@ def lengths_of(args: argparse.Namespace) -> list[int]:
     return [rng.randint(args.min_len, args.max_len) for _ in range(args.batch)]
 
 
-def make_batch(args: argparse.Namespace, vocab: int, routes: torch.Tensor | None) -> Any:
-    """The TensorDict verl's Megatron engine receives: jagged ids / positions / masks, optional routes."""
+def make_batch(args: argparse.Namespace, vocab: int, routes: torch.Tensor | None, measured: bool = True) -> Any:
+    """The TensorDict verl's Megatron engine receives: jagged ids / positions / masks, optional routes; ``measured``
+    False marks it as a step the monitored trainer samples out (``stable.monitor.replay_metrics_interval``)."""
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
+
+    from verl_stable.integration.megatron_replay import REPLAY_METRICS_FLAG
 
     lengths = lengths_of(args)
     responses = [max(1, n // 2) for n in lengths]
@@ -231,6 +241,8 @@ def make_batch(args: argparse.Namespace, vocab: int, routes: torch.Tensor | None
         return_model_output=True,
         enable_routing_replay=routes is not None,
     )
+    if not measured:
+        tu.assign_non_tensor(td, **{REPLAY_METRICS_FLAG: False})
     return td
 
 
@@ -333,6 +345,24 @@ def count_metrics_work(spent: list[float]) -> None:
     megatron_replay.router_hook = timed(megatron_audit.router_hook)
 
 
+def count_gc_work(spent: list[float]) -> None:
+    """From now on add the thread CPU time of every garbage collection in this process to ``spent[0]``, and count
+    the full (oldest-generation) ones in ``spent[1]``: a collection falls on whichever pass allocates past the
+    threshold, whichever code made the garbage."""
+    import gc
+
+    started: list[float] = [0.0]
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.thread_time()
+        else:
+            spent[0] += time.thread_time() - started[0]
+            spent[1] += info["generation"] == 2
+
+    gc.callbacks.append(callback)
+
+
 # the functions that return a callable the metrics call later (a hook, the row layout): that callable is timed too
 TIMED_FACTORIES = ("router_hook", "_router_rows", "_capture_packing")
 
@@ -376,7 +406,8 @@ def child(conn: Any, modes: tuple[str, ...], model_dir: str, log: str, args: arg
     runtime.register()  # verl's Megatron engines for device cpu, under the Megatron CPU runtime
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     engines = {mode: build_engine(model_dir, mode, args.micro_batch) for mode in modes}
-    inside, metrics = [0.0], [0.0]
+    inside, metrics, collected = [0.0], [0.0], [0.0, 0.0]
+    count_gc_work(collected)
     if "R3" in modes:
         count_replay_work(inside)
         count_metrics_work(metrics)
@@ -389,17 +420,17 @@ def child(conn: Any, modes: tuple[str, ...], model_dir: str, log: str, args: arg
             break
         if request[0] == "own_routes":
             conn.send(own_routes(engines[request[1]], batches["plain"]))
-        elif request[0] == "routes":  # ("routes", batch name, routes)
-            batches[request[1]] = make_batch(args, vocab, request[2])
+        elif request[0] == "routes":  # ("routes", batch name, routes, measured)
+            batches[request[1]] = make_batch(args, vocab, request[2], request[3])
             conn.send("ok")
         else:  # ("run", mode, batch name, phase, audit)
             _, mode, batch, phase, audit = request
-            inside[0] = metrics[0] = 0.0
+            inside[0] = metrics[0] = collected[0] = collected[1] = 0.0
             start, wall = time.thread_time(), time.perf_counter()
             out = forward_backward(engines[mode], batches[batch], phase, audit)
             spent, wall = time.thread_time() - start, time.perf_counter() - wall
             logp = out["model_output"]["log_probs"].values().float() if phase == "forward" else None
-            conn.send((spent, wall, logp, inside[0], metrics[0]))
+            conn.send((spent, wall, logp, inside[0], metrics[0], collected[0], collected[1]))
     torch.distributed.destroy_process_group()
 
 
@@ -437,8 +468,12 @@ def time_replay(spec: AssetSpec, args: argparse.Namespace) -> None:
         except EOFError:
             raise RuntimeError(f"the {name} engine process died; its output: {logs[name]}") from None
 
-    def run(variant: str, phase: str) -> tuple[float, float, torch.Tensor | None, float, float]:
+    def run(variant: str, phase: str, measured: bool = True) -> tuple[Any, ...]:
         name, (mode, batch, audit) = where[variant]
+        if variant in ("R3", "R3+metrics") and not measured:
+            # R3 (verl's replay alone) ignores the flag; it gets the same batch object all the same: a pass over
+            # another copy of the same batch measured ~1 % apart (where its tensors sit in memory)
+            batch = "own_unmeasured"
         return ask(name, ("run", mode, batch, phase, audit))
 
     try:
@@ -450,16 +485,18 @@ def time_replay(spec: AssetSpec, args: argparse.Namespace) -> None:
             if ready != "ready":
                 raise RuntimeError(f"the {name} engine process failed to start; its output: {logs[name]}")
         routes, off_logp = ask("plain", ("own_routes", "disabled"))
-        ask("replay", ("routes", "own", routes))
+        ask("replay", ("routes", "own", routes, True))
+        ask("replay", ("routes", "own_unmeasured", routes, False))
         # random distinct top-k: proves the R3 variant replays (log-probs move), not only that it runs
         gen = torch.Generator().manual_seed(args.seed)
         experts = spec.num_experts
         random_routes = torch.rand(*routes.shape[:2], experts, generator=gen).argsort(-1)[..., : routes.shape[2]]
-        ask("replay", ("routes", "random", random_routes.to(torch.int16)))
+        ask("replay", ("routes", "random", random_routes.to(torch.int16), True))
         logps = {v: run(v, "forward")[2] for v in VARIANTS}
         moved = ask("replay", ("run", "R3", "random", "forward", False))[2]
         rng = random.Random(args.seed)
-        times = {(v, p, k): [] for v in VARIANTS for p in PHASES for k in ("cpu", "wall", "inside", "metrics")}
+        kinds = ("cpu", "wall", "inside", "metrics", "gc", "gc_full")
+        times = {(v, p, k): [] for v in VARIANTS for p in PHASES for k in kinds}
         for round_ in range(args.warmup + args.rounds):
             for phase in PHASES:
                 # the two variants of the same engine back to back, twice, in ABBA (BAAB every other round) order: the
@@ -469,13 +506,19 @@ def time_replay(spec: AssetSpec, args: argparse.Namespace) -> None:
                 blocks = [["off"], ["idle"], pair + pair[::-1]]
                 rng.shuffle(blocks)
                 passes: dict[str, list[tuple[float, float, float, float]]] = {v: [] for v in VARIANTS}
+                # a round is a training step: with --interval N, the metrics measure one round in N (the first)
+                measured = (round_ - args.warmup) % args.interval == 0
                 for variant in (v for block in blocks for v in block):
-                    spent, wall, _, inside, metrics = run(variant, phase)
-                    passes[variant].append((spent, wall, inside, metrics))
+                    spent, wall, _, inside, metrics, gc_spent, gc_full = run(variant, phase, measured)
+                    passes[variant].append((spent, wall, inside, metrics, gc_spent, gc_full))
                 if round_ < args.warmup:
                     continue
-                for variant, measured in passes.items():  # per variant the mean of its passes in this round
-                    spent, wall, inside, metrics = (sum(x) / len(measured) for x in zip(*measured, strict=True))
+                for variant, done in passes.items():  # per variant the mean of its passes in this round
+                    spent, wall, inside, metrics, gc_spent, gc_full = (
+                        sum(x) / len(done) for x in zip(*done, strict=True)
+                    )
+                    times[(variant, phase, "gc")].append(gc_spent)
+                    times[(variant, phase, "gc_full")].append(gc_full)
                     times[(variant, phase, "cpu")].append(spent)
                     times[(variant, phase, "wall")].append(wall)
                     times[(variant, phase, "inside")].append(inside / spent)
@@ -504,12 +547,40 @@ def time_replay(spec: AssetSpec, args: argparse.Namespace) -> None:
                 num, den = times[(variant, phase, kind)], times[(ref, phase, kind)]
                 lo, mid, hi = quartiles([x / b for x, b in zip(num, den, strict=True)])
                 print(f"    {variant + ' / ' + ref:<18} median {mid:.3f}x  IQR {lo:.3f} - {hi:.3f}x")
+            if args.interval > 1:  # per N rounds (one measured): the cost per step of the sampled metrics
+                n = args.interval
+                num, den = times[("R3+metrics", phase, kind)], times[("R3", phase, kind)]
+                blocks = [sum(num[i : i + n]) / sum(den[i : i + n]) for i in range(0, len(num) - n + 1, n)]
+                lo, mid, hi = quartiles(blocks)
+                print(
+                    f"    {'R3+metrics / R3':<18} per {n} rounds (one measured): median {mid:.3f}x  IQR {lo:.3f} - "
+                    f"{hi:.3f}x over {len(blocks)} blocks; all rounds {sum(num) / sum(den):.3f}x"
+                )
+                ratios = [x / b for x, b in zip(num, den, strict=True)]
+                for label, part in (
+                    ("measured", ratios[::n]),
+                    ("sampled out", [r for i, r in enumerate(ratios) if i % n]),
+                ):
+                    lo, mid, hi = quartiles(part)
+                    print(f"      {label + ' rounds':<20} median {mid:.3f}x  IQR {lo:.3f} - {hi:.3f}x ({len(part)})")
+        gc_line = ", ".join(
+            f"{v} {statistics.mean(times[(v, phase, 'gc')]) * 1e3:.2f} ms "
+            f"({statistics.mean(times[(v, phase, 'gc_full')]):.2f} full)"
+            for v in VARIANTS
+        )
+        print(f"    in Python's garbage collector per pass (mean; full collections per pass): {gc_line}")
         lo, mid, hi = quartiles(times[("R3", phase, "inside")])
         print(f"    CPU time inside verl's replay code: {mid:.2%} of an R3 pass (IQR {lo:.2%} - {hi:.2%})")
-        lo, mid, hi = quartiles(times[("R3+metrics", phase, "metrics")])
+        shares = times[("R3+metrics", phase, "metrics")][:: args.interval]  # the measured rounds
+        lo, mid, hi = quartiles(shares)
         print(
-            f"    CPU time inside verl-stable's replay metrics: {mid:.2%} of an R3+metrics pass (IQR {lo:.2%} - "
+            f"    CPU time inside verl-stable's replay metrics: {mid:.2%} of a measured R3+metrics pass (IQR {lo:.2%} - "
             f"{hi:.2%}): R3+metrics / R3 = {1 / (1 - mid):.3f}x by that share"
+            + (
+                f", {1 + mid / (1 - mid) / args.interval:.3f}x per step at --interval {args.interval}"
+                if args.interval > 1
+                else ""
+            )
         )
     try:
         print(f"  load average at the end (1/5/15 min): {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
@@ -527,6 +598,12 @@ def main() -> None:
     parser.add_argument("--min-len", type=int, default=64)
     parser.add_argument("--max-len", type=int, default=192, help="at most the toy model's 256 positions")
     parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument(
+        "--interval",
+        type=int,
+        default=1,
+        help="R3+metrics measures one round in N, as stable.monitor.replay_metrics_interval=N measures one step in N",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--long-groups", type=int, default=4, help="prompts of the long-length byte cases (n = 8)")
     parser.add_argument("--workdir", default=None, help="where the toy assets are built (default: a temp dir)")
