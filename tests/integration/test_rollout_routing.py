@@ -127,6 +127,36 @@ def test_compact_fields_match_verls_own_int16_layout():
     assert without_compact_fields(engine_batch) is engine_batch
 
 
+@pytest.mark.parametrize("sharing", [None, PromptRowSharing(min_saved_bytes=0)])
+def test_each_samples_ids_are_checked_once_on_their_way_through_the_agent_loop(monkeypatch, sharing):
+    """One check per hop: the boundary's decoder validates a sample's ids; the fields built from its rows do not
+    check them again (``sample_fields(..., checked=True)``), and what they carry is the decoder's rows unchanged."""
+    from verl_stable.routing.codecs import common
+
+    calls = []
+    check = common.check_expert_ids
+    monkeypatch.setattr(common, "check_expert_ids", lambda *a, **k: calls.append(a[0].shape) or check(*a, **k))
+    rng = np.random.default_rng(3)
+    output = agent_output(rng, 4, [1, 1, 1])
+    expected = np.asarray(output.routed_experts)[:, list(LAYOUT.moe_layers)]
+    compact = rollout.compact_agent_loop_output(output, LAYOUT, sharing=sharing, uid="u0", group_size=2)
+    assert len(calls) == 1
+    ids = compact.compact_routing[IDS_FIELD]
+    assert ids.dtype == torch.uint8 and torch.equal(ids, torch.from_numpy(expected[-ids.shape[0] :]))
+
+
+def test_rows_not_in_the_layouts_storage_dtype_are_checked_even_when_said_to_be():
+    """``checked=True`` skips the check only for rows a decoder narrowed: wider rows are validated before narrowing
+    (an id of 300 must never wrap to a plausible expert 44)."""
+    from verl_stable.transport.fields import sample_fields
+
+    wide = np.zeros((2, LAYOUT.num_moe_layers, LAYOUT.top_k), dtype=np.int64)
+    wide[..., 1] = 1
+    wide[1, 0] = (3, 300)
+    with pytest.raises(ExpertIdRangeError):
+        sample_fields(RoutedRows(0, wide), LAYOUT, checked=True)
+
+
 def test_boundary_errors_and_configured_fallback():
     rng = np.random.default_rng(1)
     too_many = agent_output(rng, 4, [1, 1, 1], rows=7)  # a row for the last sampled token

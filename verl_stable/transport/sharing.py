@@ -242,14 +242,15 @@ def shared_sample_fields(
     uid: str | None,
     partition: str = "train",
     group_size: int | None = None,
+    checked: bool = False,
 ) -> tuple[dict[str, torch.Tensor], ShareDecision]:
     """:func:`~verl_stable.transport.fields.sample_fields` plus :data:`PROMPT_REF_FIELD`, prompt rows shared.
 
     When the sample shares its group's prompt rows, :data:`IDS_FIELD` keeps only the rows after them and
     :data:`SPAN_FIELD` still covers the whole span. ``uid=None``: never shared (zero reference). ``group_size``:
-    see :meth:`PromptRowSharing.decide`.
+    see :meth:`PromptRowSharing.decide`. ``checked``: as for :func:`~verl_stable.transport.fields.sample_fields`.
     """
-    fields = sample_fields(rows, layout)
+    fields = sample_fields(rows, layout, checked=checked)
     share = ShareDecision(prompt_ref(None, 0))
     if uid is not None and rows is not None and rows.num_rows:
         share = sharing.decide(

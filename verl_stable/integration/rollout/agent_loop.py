@@ -146,8 +146,9 @@ def compact_agent_loop_output(
     compact = CompactRoutingAgentLoopOutput.model_construct(
         _fields_set=set(output.model_fields_set) - {"routed_experts"}, **values, compact_routing=None
     )
+    # the rows are the boundary decoder's, validated and narrowed there: not checked again
     if sharing is None:
-        fields, share = sample_fields(rows, layout), None
+        fields, share = sample_fields(rows, layout, checked=True), None
     else:
         fields, share = shared_sample_fields(
             rows,
@@ -157,6 +158,7 @@ def compact_agent_loop_output(
             uid=uid,
             partition=partition,
             group_size=group_size,
+            checked=True,
         )
     fields[BOUNDARY_FIELD] = boundary_counters(
         fields, seq_len=seq_len, layout=layout, sample_stats=sample_stats, share=share
