@@ -13,7 +13,7 @@ Needs py-spy (``pip install py-spy``; not a dependency of the project) and permi
 (ptrace), as on the CI host.
 
     python benchmarks/profile_dp_roles.py [--steps 40] [--seconds 25] [--rate 100] [--warmup 12]
-        [--workdir /tmp/profile_dp_roles]
+        [--workdir /tmp/profile_dp_roles] [--ladder]
 """
 
 from __future__ import annotations
@@ -29,7 +29,13 @@ from pathlib import Path
 
 BENCH = Path(__file__).with_name("bench_dp_overhead.py")
 # the agent-loop worker's process title in each variant: its appearance says the run has reached its steps
-MARKERS = {"plain": "AgentLoopWorkerTQ", "r3": "CompactRoutingAgentLoopWorkerTQ"}
+MARKERS = {
+    "plain": "AgentLoopWorkerTQ",
+    "export": "CompactRoutingAgentLoopWorkerTQ",
+    "replay": "CompactRoutingAgentLoopWorkerTQ",
+    "r3": "CompactRoutingAgentLoopWorkerTQ",
+}
+LADDER = ("plain", "export", "replay", "r3")  # bench_dp_overhead --ladder's variants, in its first round's order
 # role -> the Ray actor class names whose processes it holds
 ROLES = {
     "actor ranks": ("WorkerDict",),
@@ -78,9 +84,21 @@ def processes(name: str) -> list[int]:
     return found
 
 
-def record(variant: str, out: Path, args: argparse.Namespace) -> None:
-    """Wait for ``variant``'s run, then sample every role's processes at once for ``args.seconds``."""
+def finished(log: Path, variant: str) -> bool:
+    """Whether the bench has printed ``variant``'s end-of-run line (its processes are going or gone)."""
+    return log.exists() and f"  {variant:5s} dp=" in log.read_text()
+
+
+def record(variant: str, out: Path, args: argparse.Namespace, after: tuple[Path, str] | None = None) -> None:
+    """Wait for ``variant``'s run (with ``after = (bench log, variant)``: first for that earlier run to end, whose
+    agent-loop worker may carry the same title), then sample every role's processes at once for ``args.seconds``."""
     deadline = time.monotonic() + 600
+    while after is not None and not finished(*after):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the {after[1]} run never ended")
+        time.sleep(1)
+    if after is not None:
+        time.sleep(5)  # its Ray processes exit after the line
     while not processes(MARKERS[variant]):
         if time.monotonic() > deadline:
             raise SystemExit(f"the {variant} run's agent-loop worker never started")
@@ -118,6 +136,12 @@ def main() -> None:
     parser.add_argument("--rate", type=int, default=100, help="samples per second")
     parser.add_argument("--warmup", type=float, default=12.0, help="seconds after the agent-loop worker starts")
     parser.add_argument("--workdir", default="/tmp/profile_dp_roles")
+    parser.add_argument(
+        "--ladder",
+        action="store_true",
+        help="all four of bench_dp_overhead's --ladder variants (export: routing export and the compact transport, "
+        "the engine observing; replay: + R3; r3: + monitor and guard), not only plain and r3",
+    )
     args = parser.parse_args()
     py_spy()
     workdir = Path(args.workdir)
@@ -126,24 +150,25 @@ def main() -> None:
         raise SystemExit(f"{out} holds earlier profiles: give another --workdir")
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(BENCH), "--runs", "1", "--steps", str(args.steps), "--skip-dp1"]
-    cmd += ["--workdir", str(workdir / "runs")]
-    with open(workdir / "bench.log", "w") as log:
+    cmd += ["--workdir", str(workdir / "runs")] + ["--ladder"] * args.ladder
+    variants = LADDER if args.ladder else ("plain", "r3")
+    log_path = workdir / "bench.log"
+    with open(log_path, "w") as log:
         bench = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ)
         try:
-            for variant in ("plain", "r3"):  # bench_dp_overhead's one ABBA round starts with plain
-                record(variant, out, args)
+            for i, variant in enumerate(variants):  # bench_dp_overhead's first ABBA round runs them in this order
+                record(variant, out, args, after=(log_path, variants[i - 1]) if i else None)
         finally:
             if bench.wait() != 0:
-                raise SystemExit(f"bench_dp_overhead failed: {workdir / 'bench.log'}")
-    print(f"py-spy samples per role ({args.seconds} s at {args.rate} Hz, every process of the role), plain / r3")
+                raise SystemExit(f"bench_dp_overhead failed: {log_path}")
+    shown = " / ".join(variants)
+    print(f"py-spy samples per role ({args.seconds} s at {args.rate} Hz, every process of the role), {shown}")
     for role in ROLES:
-        (plain, held_plain), (r3, held_r3) = counts(out, "plain", role), counts(out, "r3", role)
-        print(f"== {role}: {plain} / {r3} samples")
+        per = [counts(out, v, role) for v in variants]
+        print(f"== {role}: {' / '.join(str(total) for total, _ in per)} samples")
         for frame in FRAMES:
-            if held_plain[frame] or held_r3[frame]:
-                print(
-                    f"   {frame:<40} {held_plain[frame]:6d} / {held_r3[frame]:6d}  ({held_r3[frame] - held_plain[frame]:+d})"
-                )
+            if any(held[frame] for _, held in per):
+                print(f"   {frame:<40} {' / '.join(f'{held[frame]:6d}' for _, held in per)}")
 
 
 if __name__ == "__main__":

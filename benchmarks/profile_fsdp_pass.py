@@ -5,14 +5,16 @@ In one process (gloo, world size 1, the CPU runtime, one torch thread), three en
 (``tests/gpu/check_fsdp_replay.py``'s ``build_engine``, imported so the two cannot drift): ``disabled`` (verl's
 engine, no replay), ``R2`` (only to record the model's own routing once) and ``R3`` (the project's replay engine).
 A batch of ``--samples`` sequences of ``--min-len`` to ``--min-len + 4`` tokens (the dp-overhead benchmark's scale)
-is run through ``infer_batch`` (the old-log-prob pass) and ``forward_backward_batch`` with a backward (the update),
-plain and R3 interleaved, ``--rounds`` times: thread CPU medians and their ratio. R3 replays the recorded routing,
-so the expert work is the same; the difference is the routing field verl splits into micro-batches and the replay
-itself (aligning targets, the router hooks, the metrics). Then each variant's ``infer_batch`` runs ``--profiled``
+in micro-batches of ``--micro-batch`` is run through ``infer_batch`` (the old-log-prob pass) and
+``forward_backward_batch`` with a backward (the update), three variants interleaved ``--rounds`` times: ``plain``
+(no routing in the batch), ``observe`` (the disabled engine given the routing: it records what it used and logs the
+disagreement, as the dp benchmark's ``export`` variant does) and ``R3``; thread CPU medians and their ratio to
+plain. R3 replays the recorded routing, so the expert work is the same; the difference is the routing field verl
+splits into micro-batches and the replay itself (aligning targets, the router hooks, the metrics). Then each variant's ``infer_batch`` runs ``--profiled``
 times under ``cProfile`` and the functions whose cumulative time differs most are printed, ms per pass (the
 profiler inflates Python-heavy code roughly twofold: read the list as where, the timed ratio as how much).
 
-    python benchmarks/profile_fsdp_pass.py [--rounds 20] [--profiled 10] [--samples 16] [--top 30]
+    python benchmarks/profile_fsdp_pass.py [--rounds 20] [--profiled 10] [--samples 16] [--micro-batch 2] [--top 30]
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def main() -> None:
     parser.add_argument("--profiled", type=int, default=10)
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--min-len", type=int, default=16)
+    parser.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch")
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args()
     os.environ.setdefault("VERL_PLATFORM", "cpu")
@@ -73,29 +76,39 @@ def main() -> None:
     recorded, _ = device_check.infer(engines["R2"], device_check.make_batch(lengths, vocab))
     routes = recorded["routed_experts"].values().cpu()
 
-    def batch(replay: bool) -> Any:
-        data = device_check.make_batch(lengths, vocab, routed=routes if replay else None)
-        tu.assign_non_tensor(data, enable_routing_replay=replay)
+    def batch(routed: bool, replay: bool | None) -> Any:
+        data = device_check.make_batch(lengths, vocab, routed=routes if routed else None)
+        tu.assign_non_tensor(data, micro_batch_size_per_gpu=args.micro_batch)
+        if replay is not None:
+            tu.assign_non_tensor(data, enable_routing_replay=replay)
         return data
 
-    variants = {"plain": (engines["disabled"], False), "R3": (engines["R3"], True)}
+    variants = {
+        "plain": (engines["disabled"], False, False),
+        "observe": (engines["disabled"], True, None),
+        "R3": (engines["R3"], True, True),
+    }
     times: dict[tuple[str, str], list[float]] = {(v, p): [] for v in variants for p in ("infer", "update")}
     for _ in range(args.rounds):
-        for name, (engine, replay) in variants.items():
+        for name, (engine, routed, replay) in variants.items():
             for phase, run in (("infer", device_check.infer), ("update", device_check.train)):
-                data = batch(replay)
+                data = batch(routed, replay)
                 start = time.thread_time()
                 run(engine, data)
                 times[(name, phase)].append(time.thread_time() - start)
     print(
         f"verl FSDP engine on CPU, tiny Qwen3-MoE, {args.samples} sequences of {min(lengths)}-{max(lengths)} tokens, "
-        f"{args.rounds} interleaved rounds, one thread (thread CPU medians)"
+        f"micro-batches of {args.micro_batch}, {args.rounds} interleaved rounds, one thread (thread CPU medians)"
     )
     for phase in ("infer", "update"):
-        plain, r3 = (statistics.median(times[(v, phase)]) for v in variants)
-        print(f"  {phase:<6} plain {plain * 1e3:7.1f} ms  R3 {r3 * 1e3:7.1f} ms  R3 / plain {r3 / plain:.3f}x")
-    rows = {name: profile_rows(lambda e=engine, r=replay: device_check.infer(e, batch(r)), args.profiled)
-            for name, (engine, replay) in variants.items()}  # fmt: skip
+        base = statistics.median(times[("plain", phase)])
+        shown = "  ".join(
+            f"{v} {statistics.median(times[(v, phase)]) * 1e3:7.1f} ms ({statistics.median(times[(v, phase)]) / base:.3f}x)"
+            for v in variants
+        )
+        print(f"  {phase:<6} {shown}")
+    rows = {name: profile_rows(lambda e=engine, o=routed, r=replay: device_check.infer(e, batch(o, r)), args.profiled)
+            for name, (engine, routed, replay) in variants.items() if name != "observe"}  # fmt: skip
     plain, r3 = rows["plain"], rows["R3"]
     diffs = sorted(((r3.get(k, (0, 0))[0] - plain.get(k, (0, 0))[0], k) for k in set(plain) | set(r3)), reverse=True)
     print(f"  infer_batch under cProfile, {args.profiled} passes each: cumulative ms per pass, plain / R3 (calls)")
