@@ -31,6 +31,10 @@ NODES = 2
 CPUS_PER_NODE = 8  # TransferQueue starts more actors than the host has cores (the single-node runs ask for 16)
 # a node start takes ~10 s on an idle host; on one loaded by other verl runs the head missed 120 s (session 16)
 START_TIMEOUT_S = 300
+# Ray gives a starting node's raylet a hard-coded 30 s to register with the GCS (ray/_private/node.py); on two cores
+# with the suite's other worker in a 4-rank Megatron test the head missed it once (session 26): start that node again
+RAY_NODE_TIMEOUT = "The current node timed out during startup"
+START_ATTEMPTS = 3
 
 
 def _free_ports(count: int) -> list[int]:
@@ -58,6 +62,9 @@ class TwoNodeCluster:
         for name in list(self.env):
             if name.startswith("VERL_"):
                 del self.env[name]
+        self._pick_head_ports()
+
+    def _pick_head_ports(self) -> None:
         gcs, client, dashboard = _free_ports(3)
         self.address = f"127.0.0.1:{gcs}"
         self.dashboard = f"http://127.0.0.1:{dashboard}"
@@ -106,8 +113,25 @@ class TwoNodeCluster:
             time.sleep(0.5)
 
     def start(self) -> None:
-        self._start("head", self.head_args)
-        self._start("worker", [f"--address={self.address}"])
+        for name in ("head", "worker"):
+            for attempt in range(1, START_ATTEMPTS + 1):
+                try:
+                    self._start(name, self.head_args if name == "head" else [f"--address={self.address}"])
+                    break
+                except RuntimeError as failed:
+                    if RAY_NODE_TIMEOUT not in str(failed) or attempt == START_ATTEMPTS:
+                        raise
+                    self._stop_process(self.procs.pop())  # that node's group only: the head may be up
+                    if name == "head":
+                        self._pick_head_ports()
+
+    @staticmethod
+    def _stop_process(proc: subprocess.Popen) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
 
     def node_ids(self) -> set[str]:
         from ray.util.state import list_nodes

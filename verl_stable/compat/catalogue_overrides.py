@@ -71,6 +71,31 @@ OVERRIDES: tuple[Override, ...] = (
     ),
     Override(
         _PPO,
+        "_compute_old_log_prob",
+        ("self", "batch", "metrics"),
+        _TRAINER,
+        "marks the batch's extra_info with whether this step measures the actor's replay metrics "
+        "(stable.monitor.replay_metrics_interval), then verl's pass",
+        "a public per-step hook onto the actor's batch",
+    ),
+    Override(
+        "verl.trainer.ppo.v1.trainer_separate_async.PPOTrainerSeparateAsync",
+        "_compute_old_log_prob",
+        ("self", "batch", "metrics"),
+        _TRAINER,
+        "the same mark, before separate_async's own version (which restores pi_old's weights around verl's pass)",
+        "a public per-step hook onto the actor's batch",
+    ),
+    Override(
+        _PPO,
+        "_compute_ref_log_prob",
+        ("self", "batch", "metrics"),
+        _TRAINER,
+        "the same mark for the reference pass",
+        "a public per-step hook onto the actor's batch",
+    ),
+    Override(
+        _PPO,
         "_compute_metrics",
         ("self", "batch", "metrics", "timing_raw", "global_steps", "epoch"),
         _TRAINER,
