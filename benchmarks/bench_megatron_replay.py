@@ -505,7 +505,8 @@ def time_replay(spec: AssetSpec, args: argparse.Namespace) -> None:
                 pair = ["R3", "R3+metrics"] if round_ % 2 == 0 else ["R3+metrics", "R3"]
                 blocks = [["off"], ["idle"], pair + pair[::-1]]
                 rng.shuffle(blocks)
-                passes: dict[str, list[tuple[float, float, float, float]]] = {v: [] for v in VARIANTS}
+                # per variant its passes' (CPU, wall, replay share, metrics share, GC time, full collections)
+                passes: dict[str, list[tuple[float, ...]]] = {v: [] for v in VARIANTS}
                 # a round is a training step: with --interval N, the metrics measure one round in N (the first)
                 measured = (round_ - args.warmup) % args.interval == 0
                 for variant in (v for block in blocks for v in block):
@@ -609,6 +610,8 @@ def main() -> None:
     parser.add_argument("--workdir", default=None, help="where the toy assets are built (default: a temp dir)")
     parser.add_argument("--bytes-only", action="store_true", help="only part 2 (no engine)")
     args = parser.parse_args()
+    if args.interval < 1:
+        parser.error("--interval must be >= 1 (one round in N measured)")
     spec = AssetSpec(task="copy")
     print_bytes(spec, args.long_groups)
     if not args.bytes_only:

@@ -121,12 +121,13 @@ class TwoNodeCluster:
                 except RuntimeError as failed:
                     if RAY_NODE_TIMEOUT not in str(failed) or attempt == START_ATTEMPTS:
                         raise
-                    self._stop_process(self.procs.pop())  # that node's group only: the head may be up
+                    self._kill_group(self.procs.pop())  # that node's group only: the head may be up
                     if name == "head":
                         self._pick_head_ports()
 
     @staticmethod
-    def _stop_process(proc: subprocess.Popen) -> None:
+    def _kill_group(proc: subprocess.Popen) -> None:
+        """SIGKILL to a node's process group, then reap its ``ray start``."""
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -160,11 +161,7 @@ class TwoNodeCluster:
             except subprocess.TimeoutExpired:
                 pass
         for proc in self.procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+            self._kill_group(proc)
         self._kill_leftovers()
         subprocess.run(["rm", "-rf", str(self.temp_dir)], check=False)
 

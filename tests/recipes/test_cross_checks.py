@@ -213,18 +213,17 @@ def test_r3_without_the_rollouts_routing_export_is_refused(backend):
 
 
 @pytest.mark.parametrize(
-    ("recipe", "overrides", "message"),
+    ("recipe", "message"),
     [
-        (("fsdp", "minirl_n4_r3"), [], r"the fsdp engine measures them as part of its replay, every pass: remove it"),
+        (("fsdp", "minirl_n4_r3"), r"the fsdp engine measures them as part of its replay, every pass: remove it"),
         (
             ("megatron", "minirl_onpolicy"),
-            [],
             r"actor_rollout_ref\.actor\.megatron\.router_replay\.mode=disabled replays nothing: remove it",
         ),
     ],
 )
-def test_a_replay_metrics_interval_with_no_megatron_replay_to_sample_is_refused(recipe, overrides, message):
-    cfg = compose_recipe(*recipe, ["+stable.monitor.replay_metrics_interval=4", *overrides])
+def test_a_replay_metrics_interval_with_no_megatron_replay_to_sample_is_refused(recipe, message):
+    cfg = compose_recipe(*recipe, ["+stable.monitor.replay_metrics_interval=4"])
     (problem,) = replay_problems(cfg)
     assert problem.startswith("stable.monitor.replay_metrics_interval=4 samples") and re.search(message, problem)
     # 1 (the default: every step) is accepted anywhere; on Megatron under replay any interval takes effect

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from verl_stable.routing.checks import (
@@ -39,7 +38,12 @@ from verl_stable.routing.checks import (
     unbind_integer,
 )
 from verl_stable.routing.codecs import RoutedRows, rows_to_trace, validate_rows
-from verl_stable.routing.codecs.common import _require_layout, smallest_uint_dtype, validated_ids_tensor
+from verl_stable.routing.codecs.common import (
+    _require_layout,
+    narrowed_ids_tensor,
+    smallest_uint_dtype,
+    validated_ids_tensor,
+)
 from verl_stable.routing.errors import RoutingFormatError, RowCountError
 from verl_stable.routing.trace import RoutingLayout, RoutingTrace, storage_dtype
 
@@ -78,7 +82,7 @@ def sample_fields(rows: RoutedRows | None, layout: RoutingLayout, *, checked: bo
     if rows is None or rows.num_rows == 0:
         return {IDS_FIELD: empty_rows(layout), SPAN_FIELD: torch.zeros(2, dtype=torch.int64)}
     if checked and rows.ids.dtype == smallest_uint_dtype(layout.num_experts):
-        ids = torch.from_numpy(np.require(rows.ids, requirements="CW"))
+        ids = narrowed_ids_tensor(rows, layout)
     else:
         ids = validated_ids_tensor(rows, layout, "sample_fields")
     return {IDS_FIELD: ids, SPAN_FIELD: torch.tensor([rows.start, rows.stop], dtype=torch.int64)}

@@ -165,6 +165,12 @@ def validated_ids_tensor(rows: RoutedRows, layout: RoutingLayout, what: str) -> 
     """``rows.ids`` validated against ``layout`` (:func:`validate_rows`), then narrowed to the layout's storage dtype
     as a writable CPU tensor: the one place where trainer-side rows are narrowed (transport, :func:`rows_to_trace`)."""
     validate_rows(rows, layout, what)  # range and distinct ids, before the narrowing below
+    return narrowed_ids_tensor(rows, layout)
+
+
+def narrowed_ids_tensor(rows: RoutedRows, layout: RoutingLayout) -> torch.Tensor:
+    """``rows.ids`` in the layout's storage dtype as a writable CPU tensor, unchecked: for rows already validated
+    (:func:`validated_ids_tensor` checks first; a decoder's own output was checked where it was decoded)."""
     # engines may hand out read-only buffers: copy those rather than let torch alias them
     return torch.from_numpy(
         np.require(rows.ids.astype(smallest_uint_dtype(layout.num_experts), copy=False), requirements="CW")
