@@ -201,6 +201,15 @@ PATCHES: tuple[Patch, ...] = (
         "verl hands the trainer the per-mini-step metrics",
     ),
     Patch(
+        "metrics_joint_read",
+        "verl.trainer.ppo.v1.trainer_base.get_metric_data_with_optional_routed_experts",
+        "process",
+        "verl_stable.integration.metrics_read",
+        "verl reads the step's metric fields from TransferQueue in _compute_metrics; the monitor's fields of the same "
+        "samples would need a second round trip every step, so they ride on verl's read (for the span of the call)",
+        "verl's _compute_metrics lets a trainer subclass add fields to its metrics read",
+    ),
+    Patch(
         "base_trainer_mode",
         "PPOTrainer.trainer_mode (a property on the stable_* classes)",
         "object",

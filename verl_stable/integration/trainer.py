@@ -20,7 +20,8 @@ from ``trainer.v1.<base mode>``; the registered name only selects the class.
 The hook is ``PPOTrainer._compute_metrics``: it runs once per step after the update and checkpoint, while the
 step's samples are still in TransferQueue and before ``self.logger.log(metrics)``. There the mixin reads the
 batch fields verl already has (``old_log_probs``, ``rollout_log_probs``, ``entropy``, ``rollout_is_weights``,
-``loss_mask`` / ``response_mask``, ``routed_experts``), adds the ``stable/`` metrics of
+``loss_mask`` / ``response_mask``, ``routed_experts``) in the same TransferQueue request as verl's own metric fields
+(:mod:`verl_stable.integration.metrics_read`), adds the ``stable/`` metrics of
 :mod:`verl_stable.monitor.metrics` to the step's dict -- so verl's own tracking logs them -- and feeds the dict to
 the :class:`~verl_stable.monitor.guard.Guard`. A stopping verdict ends the run through verl's exit path: the step is
 logged, the training loop ends at its loop condition (no further step, no further checkpoint), ``on_train_end`` runs,
@@ -47,6 +48,7 @@ import numpy as np
 
 from verl_stable.compat.import_hooks import when_imported
 from verl_stable.integration.guard_actions import GuardActionsMixin
+from verl_stable.integration.metrics_read import MonitorRead, joint_metrics_read
 from verl_stable.monitor.guard import GuardTripped, Verdict
 from verl_stable.monitor.step import (
     ROLLOUT_ROUTING_FIELD,
@@ -146,16 +148,9 @@ class StabilityMonitorMixin(GuardActionsMixin):
             self._stable_layout = layout
         return self._stable_layout
 
-    def _stable_fetch(self, batch, step: int, monitor: StepMonitor) -> tuple[MonitorBatch, dict[str, float]]:
-        """The step's monitor inputs and, with the compact transport, its transport metrics: one TransferQueue read.
-
-        The per-sample boundary counters (:data:`~verl_stable.transport.boundary.BOUNDARY_FIELD`) come with the
-        token fields; a batch without them (routing export off) is read again without, and has no transport metrics.
-        """
-        import transfer_queue as tq
-
-        from verl_stable.transport.boundary import BOUNDARY_FIELD, transport_metrics
-        from verl_stable.transport.expansion import expand_compact_routing
+    def _stable_read_fields(self, step: int, monitor: StepMonitor) -> tuple[list[str], Any, bool]:
+        """The fields the monitor reads at ``step``: ``(fields, compact layout or None, with transport counters)``."""
+        from verl_stable.transport.boundary import BOUNDARY_FIELD
         from verl_stable.transport.fields import IDS_FIELD, SPAN_FIELD
         from verl_stable.transport.options import RolloutRoutingOptions
         from verl_stable.transport.sharing import PROMPT_REF_FIELD
@@ -172,21 +167,37 @@ class StabilityMonitorMixin(GuardActionsMixin):
             if train_field:
                 select.append(train_field)
         counters = self._stable_compact_layout() is not None
-        try:
-            data = tq.kv_batch_get(
-                keys=batch.keys, partition_id=batch.partition_id, select_fields=select + [BOUNDARY_FIELD] * counters
-            )
-        except ValueError as exc:  # TransferQueue refuses a field no sample has (routing export off)
-            if not counters or BOUNDARY_FIELD not in str(exc):
-                raise
-            counters = False
-            data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=select)
+        return select + [BOUNDARY_FIELD] * counters, layout, counters
+
+    def _stable_fetch(self, batch, step: int, monitor: StepMonitor, data: Any = None) -> tuple[MonitorBatch, dict]:
+        """The step's monitor inputs and, with the compact transport, its transport metrics.
+
+        ``data``: the fields of :meth:`_stable_read_fields`, already read with verl's metric fields
+        (:func:`~verl_stable.integration.metrics_read.joint_metrics_read`); ``None``: one TransferQueue read here.
+        The per-sample boundary counters (:data:`~verl_stable.transport.boundary.BOUNDARY_FIELD`) come with the
+        token fields; a batch without them (routing export off) is read again without, and has no transport metrics.
+        """
+        import transfer_queue as tq
+
+        from verl_stable.transport.boundary import BOUNDARY_FIELD, transport_metrics
+        from verl_stable.transport.expansion import expand_compact_routing
+
+        select, layout, counters = self._stable_read_fields(step, monitor)
+        if data is None:
+            try:
+                data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=select)
+            except ValueError as exc:  # TransferQueue refuses a field no sample has (routing export off)
+                if not counters or BOUNDARY_FIELD not in str(exc):
+                    raise
+                counters = False
+                select.remove(BOUNDARY_FIELD)
+                data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=select)
         if layout is not None:
             expand_compact_routing(data, layout)
         keep = np.array([not tag.get("is_padding", False) for tag in batch.tags], dtype=bool)
         keep = keep if keep.any() else None
         transport = transport_metrics(data[BOUNDARY_FIELD], keep) if counters else {}
-        return MonitorBatch.from_tensordict(data, keep, train_field), transport
+        return MonitorBatch.from_tensordict(data, keep, monitor.config.monitor.train_routing_field), transport
 
     def _stable_clear_prompt_rows(self) -> None:
         """Clear every stale side entry (the shared prompt rows of groups verl has finished with) after training.
@@ -282,15 +293,22 @@ class StabilityMonitorMixin(GuardActionsMixin):
         return result
 
     def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
-        super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)
         monitor = self._stable_state()
         fetched = None
         prefetched, self._stable_prefetched = getattr(self, "_stable_prefetched", None), None
+        if prefetched is not None and prefetched[:2] != (global_steps, list(batch.keys)):
+            prefetched = None  # a step of several sub-batches: each is judged on its own read
+        read = None
+        if monitor.config.monitor.enable and prefetched is None:
+            fields, _, _ = self._stable_read_fields(global_steps, monitor)
+            read = MonitorRead(keys=list(batch.keys), partition_id=batch.partition_id, fields=fields)
+        with joint_metrics_read(read):  # verl's read of its metric fields brings the monitor's along
+            super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)
         if monitor.config.monitor.enable:
-            if prefetched is not None and prefetched[:2] == (global_steps, list(batch.keys)):
+            if prefetched is not None:  # a skip rule judged this step before the update, on the same samples
                 fetched, transport = prefetched[2:]
-            else:  # no skip rule, or a step of several sub-batches (each judged on its own read)
-                fetched, transport = self._stable_fetch(batch, global_steps, monitor)
+            else:
+                fetched, transport = self._stable_fetch(batch, global_steps, monitor, data=read.data)
             metrics.update(transport)
         verdicts = monitor.step(global_steps, fetched, metrics, coverage=getattr(self, "_stable_coverage", None))
         self._stable_coverage = {}
