@@ -30,6 +30,7 @@ import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_dp_overhead as bench  # noqa: E402 -- the benchmark's variants, runs and process roles
@@ -136,18 +137,13 @@ def run_probed(variant: str, assets, workdir: Path, steps: int) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     for old in [*out.glob("*.tsv"), *out.glob("*.title")]:
         old.unlink()
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "PROFILE_DP_CALLS_OUT", "PROFILE_DP_CALLS_TARGETS")}
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(probe_dir), saved["PYTHONPATH"]) if p)
-    os.environ["PROFILE_DP_CALLS_OUT"] = str(out)
-    os.environ["PROFILE_DP_CALLS_TARGETS"] = json.dumps(TARGETS)
-    try:
+    probed = {
+        "PYTHONPATH": os.pathsep.join(p for p in (str(probe_dir), os.environ.get("PYTHONPATH")) if p),
+        "PROFILE_DP_CALLS_OUT": str(out),
+        "PROFILE_DP_CALLS_TARGETS": json.dumps(TARGETS),
+    }
+    with mock.patch.dict(os.environ, probed):  # the run's processes inherit the driver's environment
         return bench.run(variant, assets, workdir, steps=steps, dp=2, routing_interval=10)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def role_calls(workdir: Path) -> dict[str, dict[str, list[list[tuple[float, float]]]]]:
