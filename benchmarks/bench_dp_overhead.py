@@ -37,7 +37,7 @@ of docs/explanation/benchmarks.md the two moved together: the same work took mor
 others). Both come with a 90 % interval of the pooled median ratio, resampling whole rounds. And the CPU seconds per
 step of each process role (actor ranks, agent-loop worker, rollout servers, trainer, TransferQueue, Ray, ...; every
 process's ``/proc/<pid>/stat`` after step 1 and after the last step): where the features' cost lands, r3 minus plain.
-``--report-only`` prints the figures of the runs already in ``--workdir``.
+``--report-only`` prints the figures of the runs already in ``--workdir`` (several folders: their rounds pooled).
 
 Routing bytes per step (the transport's counters, ``stable/routing/transport/*``, computed on the driver from every
 sample's boundary counters) are read from the r3 runs at dp=2 and from one r3 run at dp=1, with the actors' reads of
@@ -46,7 +46,7 @@ reads in all and per rank, entries fetched and entries served from what a rank a
 
     python benchmarks/bench_dp_overhead.py [--runs 2] [--steps 4] [--ladder] [--routing-interval 10] [--skip-dp1]
         [--response-length 4] [--hidden-size 64] [--share-min-bytes N | --no-share-prompt-rows]
-        [--workdir /tmp/bench_dp] [--report-only]
+        [--workdir /tmp/bench_dp ...] [--report-only]
 
 ``--response-length`` / ``--hidden-size`` scale the per-token work (generation steps, sequence length) and the
 model: a cost per call or per step stays the same while the step grows, a cost per token grows with it.
@@ -421,7 +421,12 @@ def main() -> None:
         help="+verl_stable.routing.share_prompt_rows_min_bytes of the routing variants (default: the recipe's, 2 MiB)",
     )
     parser.add_argument("--report-only", action="store_true", help="print the figures of the runs in --workdir")
-    parser.add_argument("--workdir", default="/tmp/bench_dp")
+    parser.add_argument(
+        "--workdir",
+        nargs="+",
+        default=["/tmp/bench_dp"],
+        help="where the runs go; with --report-only, several folders pool their rounds (each with --runs rounds)",
+    )
     args = parser.parse_args()
     if args.steps < 2 or args.runs < 1:
         parser.error("need --steps >= 2 (the first step is not timed) and --runs >= 1")
@@ -429,7 +434,9 @@ def main() -> None:
     from verl_stable.toy import launch
     from verl_stable.toy.assets import AssetSpec, ensure_assets
 
-    workdir = Path(args.workdir)
+    if len(args.workdir) > 1 and not args.report_only:
+        parser.error("several --workdir folders only with --report-only (their rounds are pooled)")
+    workdir = Path(args.workdir[0])
     kw = {
         "steps": args.steps,
         "dp": args.dp,
@@ -441,10 +448,11 @@ def main() -> None:
     names = VARIANTS if args.ladder else ("plain", "r3")
     runs: dict[str, list[list[dict]]] = {v: [] for v in names}
     if args.report_only:
-        for v in names:
-            for i in range(args.runs):
-                run_dir = workdir / f"{v}_{i}"
-                runs[v].append(attach_cpu(launch.read_metrics(run_dir / "metrics.jsonl"), run_dir / CPU_FILE))
+        for folder in map(Path, args.workdir):
+            for v in names:
+                for i in range(args.runs):
+                    run_dir = folder / f"{v}_{i}"
+                    runs[v].append(attach_cpu(launch.read_metrics(run_dir / "metrics.jsonl"), run_dir / CPU_FILE))
     else:
         assets = ensure_assets(workdir / "assets", AssetSpec(task="copy", hidden_size=args.hidden_size))
         print(f"{args.runs} rounds of {names} in ABBA order at dp={args.dp}, {args.steps} steps each")

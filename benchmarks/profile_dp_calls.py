@@ -38,6 +38,10 @@ import bench_dp_overhead as bench  # noqa: E402 -- the benchmark's variants, run
 TARGETS: dict[str, list[tuple[str, str]]] = {
     "verl.utils.transferqueue_utils": [("", "_meta_to_realdata"), ("", "_update_meta_with_output")],
     "verl.workers.engine_workers": [
+        ("ActorRolloutRefWorker", "compute_log_prob"),
+        ("ActorRolloutRefWorker", "update_actor"),
+        ("ActorRolloutRefWorker", "update_weights"),
+        ("TrainingWorker", "train_mini_batch"),
         ("TrainingWorker", "infer_batch"),
         ("TrainingWorker", "train_batch"),
         ("TrainingWorker", "_postprocess_output"),
