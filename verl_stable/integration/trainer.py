@@ -169,11 +169,14 @@ class StabilityMonitorMixin(GuardActionsMixin):
         counters = self._stable_compact_layout() is not None
         return select + [BOUNDARY_FIELD] * counters, layout, counters
 
-    def _stable_fetch(self, batch, step: int, monitor: StepMonitor, data: Any = None) -> tuple[MonitorBatch, dict]:
+    def _stable_fetch(
+        self, batch, step: int, monitor: StepMonitor, data: Any = None, fields: tuple | None = None
+    ) -> tuple[MonitorBatch, dict]:
         """The step's monitor inputs and, with the compact transport, its transport metrics.
 
-        ``data``: the fields of :meth:`_stable_read_fields`, already read with verl's metric fields
-        (:func:`~verl_stable.integration.metrics_read.joint_metrics_read`); ``None``: one TransferQueue read here.
+        ``data``: the ``fields`` (:meth:`_stable_read_fields`'s answer for ``step``, computed here when None) already
+        read with verl's metric fields (:func:`~verl_stable.integration.metrics_read.joint_metrics_read`); ``None``:
+        one TransferQueue read here.
         The per-sample boundary counters (:data:`~verl_stable.transport.boundary.BOUNDARY_FIELD`) come with the
         token fields; a batch without them (routing export off) is read again without, and has no transport metrics.
         """
@@ -182,7 +185,8 @@ class StabilityMonitorMixin(GuardActionsMixin):
         from verl_stable.transport.boundary import BOUNDARY_FIELD, transport_metrics
         from verl_stable.transport.expansion import expand_compact_routing
 
-        select, layout, counters = self._stable_read_fields(step, monitor)
+        select, layout, counters = fields if fields is not None else self._stable_read_fields(step, monitor)
+        select = list(select)
         if data is None:
             try:
                 data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=select)
@@ -298,17 +302,17 @@ class StabilityMonitorMixin(GuardActionsMixin):
         prefetched, self._stable_prefetched = getattr(self, "_stable_prefetched", None), None
         if prefetched is not None and prefetched[:2] != (global_steps, list(batch.keys)):
             prefetched = None  # a step of several sub-batches: each is judged on its own read
-        read = None
+        read = fields = None
         if monitor.config.monitor.enable and prefetched is None:
-            fields, _, _ = self._stable_read_fields(global_steps, monitor)
-            read = MonitorRead(keys=list(batch.keys), partition_id=batch.partition_id, fields=fields)
+            fields = self._stable_read_fields(global_steps, monitor)
+            read = MonitorRead(keys=list(batch.keys), partition_id=batch.partition_id, fields=fields[0])
         with joint_metrics_read(read):  # verl's read of its metric fields brings the monitor's along
             super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)
         if monitor.config.monitor.enable:
             if prefetched is not None:  # a skip rule judged this step before the update, on the same samples
                 fetched, transport = prefetched[2:]
             else:
-                fetched, transport = self._stable_fetch(batch, global_steps, monitor, data=read.data)
+                fetched, transport = self._stable_fetch(batch, global_steps, monitor, data=read.data, fields=fields)
             metrics.update(transport)
         verdicts = monitor.step(global_steps, fetched, metrics, coverage=getattr(self, "_stable_coverage", None))
         self._stable_coverage = {}
