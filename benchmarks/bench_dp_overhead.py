@@ -272,6 +272,7 @@ def run(
     share_min_bytes: int | None = None,
 ) -> list[dict]:
     from verl_stable.toy import launch
+    from verl_stable.toy.trainer_process import set_aside
 
     ov = overrides(
         variant,
@@ -286,7 +287,8 @@ def run(
     )
     t0 = time.perf_counter()
     metrics = workdir / "metrics.jsonl"
-    metrics.unlink(missing_ok=True)  # the clock counts this run's lines only
+    # the clock counts this run's lines only: an earlier run's metrics and CPU record are moved aside, not deleted
+    set_aside(workdir, (metrics.name, CPU_FILE))
     with StepCpuClock(metrics, last_line=steps) as clock:
         proc = launch.run_main_ppo(ov, workdir, timeout_s=3600, poll_interval_s=poll_s)
     if proc.returncode != 0:

@@ -2,12 +2,12 @@
 
 ``bench_dp_overhead.py`` times whole steps and each process role's CPU; this script opens them up. It runs the same
 two variants (``plain`` and ``r3``, the same shape and overrides, ABBA order) with a probe in every process of the run:
-a ``sitecustomize`` module written to a temporary folder on ``PYTHONPATH`` (the driver, the prefork server and every
-Ray worker forked from it load it) that wraps a fixed list of functions (:data:`TARGETS`: verl's actor calls and its
+a ``sitecustomize`` module written to the run's ``probe`` folder and put on ``PYTHONPATH`` (the driver, the prefork
+server and every Ray worker forked from it load it) that wraps a fixed list of functions (:data:`TARGETS`: verl's actor calls and its
 TransferQueue bridge, the FSDP engine's passes, the plugin's replay and transport steps, the rollout server's batch,
 the agent loop's compaction, the trainer's monitor hooks, TransferQueue's ``kv_*`` calls) as their modules are
 imported, and records each call's wall time and the calling thread's CPU time. Every process appends one line per
-call to its own file in the run's folder.
+call to its own file in the run's ``calls`` folder (an earlier run's is moved to ``superseded/``).
 
 For each role and function it prints the calls per step and the median per call (the first tenth of a process's
 calls are start-up and are left out), plain next to r3, and r3 - plain in milliseconds per step (per rank for the
@@ -27,7 +27,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 from unittest import mock
@@ -135,12 +134,14 @@ if _OUT:
 
 def run_probed(variant: str, assets, workdir: Path, steps: int) -> list[dict]:
     """One run of ``variant`` (bench_dp_overhead's overrides) with the probe in every process."""
-    probe_dir = Path(tempfile.mkdtemp(prefix="profile_dp_calls_probe_"))
+    from verl_stable.toy.trainer_process import set_aside
+
+    probe_dir = workdir / "probe"
+    probe_dir.mkdir(parents=True, exist_ok=True)
     (probe_dir / "sitecustomize.py").write_text(PROBE)
+    set_aside(workdir, ("calls",))  # an earlier run's records are moved aside, not deleted
     out = workdir / "calls"
-    out.mkdir(parents=True, exist_ok=True)
-    for old in [*out.glob("*.tsv"), *out.glob("*.title")]:
-        old.unlink()
+    out.mkdir()
     probed = {
         "PYTHONPATH": os.pathsep.join(p for p in (str(probe_dir), os.environ.get("PYTHONPATH")) if p),
         "PROFILE_DP_CALLS_OUT": str(out),
@@ -165,8 +166,8 @@ def role_calls(workdir: Path) -> dict[str, dict[str, list[list[tuple[float, floa
     return out
 
 
-def summarise(runs: list[Path], steps: int) -> dict[tuple[str, str], tuple[float, float, float, int]]:
-    """``(role, function) -> (calls per step and process, median wall ms, median thread-CPU ms, processes)``."""
+def summarise(runs: list[Path], steps: int) -> dict[tuple[str, str], tuple[float, float, float]]:
+    """``(role, function) -> (calls per step and process, median wall ms, median thread-CPU ms)``."""
     pooled: dict[tuple[str, str], list] = defaultdict(list)
     for workdir in runs:
         for role, functions in role_calls(workdir).items():
@@ -178,14 +179,8 @@ def summarise(runs: list[Path], steps: int) -> dict[tuple[str, str], tuple[float
         flat = [c for calls in steady for c in calls]
         if not flat:
             continue
-        processes = len(per_process) / len(runs)
-        per_step = sum(len(calls) for calls in per_process) / len(runs) / processes / steps
-        summary[key] = (
-            per_step,
-            statistics.median(c[0] for c in flat),
-            statistics.median(c[1] for c in flat),
-            round(processes),
-        )
+        per_step = sum(len(calls) for calls in per_process) / len(per_process) / steps
+        summary[key] = (per_step, statistics.median(c[0] for c in flat), statistics.median(c[1] for c in flat))
     return summary
 
 
@@ -216,8 +211,8 @@ def report(dirs: dict[str, list[Path]], rows: dict[str, list[list[dict]]], steps
     for role in sorted({role for role, _ in plain} | {role for role, _ in r3}):
         print(f"  {role}")
         for name in sorted({n for r, n in plain if r == role} | {n for r, n in r3 if r == role}):
-            a = plain.get((role, name), (0.0, 0.0, 0.0, 0))
-            b = r3.get((role, name), (0.0, 0.0, 0.0, 0))
+            a = plain.get((role, name), (0.0, 0.0, 0.0))
+            b = r3.get((role, name), (0.0, 0.0, 0.0))
             wall = b[0] * b[1] - a[0] * a[1]
             cpu = b[0] * b[2] - a[0] * a[2]
             print(
